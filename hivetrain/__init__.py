@@ -1,0 +1,1 @@
+"""HiveTrain: decentralized volunteer training on hivemind and PyTorch Lightning."""

@@ -1,0 +1,147 @@
+"""The run's manifest: one typed, serialisable description of what the swarm trains.
+
+The coordinator publishes a `RunConfig` in the DHT; every peer builds its model, data and optimizer
+from it and compares its fingerprint, so a swarm never mixes two different runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str  # a timm model name
+    img_size: int
+    num_classes: int
+    pretrained: bool = False  # start from the model's pretrained weights (hub or --pretrained-weights)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to timm.create_model (patch_size, depth, ...)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str  # "digits", "fashion-mnist" or "cifar10"
+    augment: bool = False  # random crop + horizontal flip on the training split
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 10  # optimizer steps (swarm epochs in a swarm) of linear warmup
+    total_steps: int = 1000  # optimizer steps after which the cosine schedule reaches its floor
+    min_lr_ratio: float = 0.1  # the cosine floor, as a fraction of lr
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    target_batch_size: int  # samples the whole swarm accumulates per optimizer step (one swarm epoch)
+    matchmaking_time: float = 3.0  # seconds a peer waits for others to form an averaging group
+    averaging_timeout: float = 30.0  # seconds before a stuck averaging round is abandoned
+    grad_compression: str = "none"  # "none", "fp16" or "8bit" for gradient averaging
+    state_compression: str = "none"  # the same choices for parameter/state averaging and state downloads
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_id: str
+    preset: str
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    swarm: SwarmConfig
+    batch_size: int  # default per-step batch of one peer (a peer may choose its own)
+    precision: str = "auto"  # "auto", "32", "bf16-mixed" or "16-mixed"; auto picks per device
+    seed: int = 0  # initial weights: every peer starts from the same ones
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "." in self.run_id or "/" in self.run_id:
+            raise ValueError(f"run_id {self.run_id!r} must be non-empty without '.' or '/' (hivemind DHT keys)")
+        if self.data.dataset not in DATASETS:
+            raise ValueError(f"dataset {self.data.dataset!r} is not one of {', '.join(DATASETS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        for kind in (self.swarm.grad_compression, self.swarm.state_compression):
+            if kind not in COMPRESSIONS:
+                raise ValueError(f"compression {kind!r} is not one of {', '.join(COMPRESSIONS)}")
+        if self.batch_size < 1 or self.swarm.target_batch_size < self.batch_size:
+            raise ValueError("need 1 <= batch_size <= swarm.target_batch_size")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RunConfig:
+        try:
+            optim = dict(raw["optim"])
+            optim["betas"] = tuple(optim.get("betas", (0.9, 0.999)))
+            return cls(
+                **{k: v for k, v in raw.items() if k not in ("model", "data", "optim", "swarm")},
+                model=ModelConfig(**raw["model"]),
+                data=DataConfig(**raw["data"]),
+                optim=OptimConfig(**optim),
+                swarm=SwarmConfig(**raw["swarm"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a valid RunConfig: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls.from_dict(json.loads(text))
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the whole manifest: peers whose fingerprints differ train different runs."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+
+DATASETS = ("digits", "fashion-mnist", "cifar10")
+PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
+COMPRESSIONS = ("none", "fp16", "8bit")
+
+PRESETS: dict[str, RunConfig] = {
+    # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.
+    "demo": RunConfig(
+        run_id="hivetrain-demo",
+        preset="demo",
+        model=ModelConfig(
+            name="vit_tiny_patch16_224",
+            img_size=32,
+            num_classes=10,
+            kwargs=dict(patch_size=8, embed_dim=64, depth=2, num_heads=2),
+        ),
+        data=DataConfig(dataset="digits"),
+        optim=OptimConfig(lr=3e-3, weight_decay=0.01, warmup_steps=5, total_steps=150),
+        swarm=SwarmConfig(target_batch_size=128, matchmaking_time=1.0, averaging_timeout=15.0),
+        batch_size=32,
+    ),
+    # The mission: pretrained ViT-B/32 fine-tuned on CIFAR-10 at 224 px, 25 passes over the training set.
+    "cifar10-vit-b32": RunConfig(
+        run_id="hivetrain-cifar10-vit-b32",
+        preset="cifar10-vit-b32",
+        model=ModelConfig(name="vit_base_patch32_224", img_size=224, num_classes=10, pretrained=True),
+        data=DataConfig(dataset="cifar10", augment=True),
+        optim=OptimConfig(lr=1e-4, weight_decay=0.05, warmup_steps=50, total_steps=25 * 50_000 // 1024),
+        swarm=SwarmConfig(target_batch_size=1024, matchmaking_time=5.0, averaging_timeout=60.0),
+        batch_size=64,
+    ),
+}
+DEFAULT_PRESET = "cifar10-vit-b32"
+
+
+def get_preset(name: str) -> RunConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

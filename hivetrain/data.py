@@ -1,0 +1,228 @@
+"""Datasets for the swarm: scikit-learn's digits, Fashion-MNIST and CIFAR-10, as one LightningDataModule.
+
+Every image comes out as a normalised float tensor (3, img_size, img_size) and every label as int64, so
+the model never cares which dataset it trains on. Everything works offline: digits ship with
+scikit-learn, Fashion-MNIST with Debian's `dataset-fashion-mnist`, and CIFAR-10 is read from any folder
+in the python-pickle layout without torchvision's md5 checks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision import transforms as T
+from torchvision.datasets import CIFAR10, FashionMNIST
+
+from hivetrain.config import RunConfig
+
+DEFAULT_DATA_DIR = Path("~/.cache/hivetrain/data").expanduser()
+DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
+FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR_LAYOUT = f"<data-dir>/{CIFAR_FOLDER}/{{data_batch_1..5,test_batch,batches.meta}}"
+
+# Per-channel (mean, std) of each training split, pixels scaled to [0, 1]; grayscale sets repeat their one
+# channel value three times because they are replicated to RGB before normalising.
+DATASET_STATS: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
+    # load_digits().images / 16 on our 1,437-image train split (RandomState(0) permutation), at native 8x8.
+    "digits": ((0.3056,) * 3, (0.3763,) * 3),
+    # train-images-idx3-ubyte from Debian's dataset-fashion-mnist, all 60,000 images / 255.
+    "fashion-mnist": ((0.2860,) * 3, (0.3530,) * 3),
+    # The 50,000 CIFAR-10 training images / 255, per-pixel std over the whole split (the published values;
+    # this machine has no copy of CIFAR-10 to recompute them, and 0.2023/0.1994/0.2010 seen elsewhere is wrong).
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+}
+
+
+class DatasetUnavailable(RuntimeError):
+    """The dataset is neither on disk nor downloadable; the message says where to put it."""
+
+
+class ImageTensors(Dataset):
+    """Images (N, C, H, W) held in memory as uint8 or [0, 1] floats, transformed per sample."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor]):
+        assert len(images) == len(labels)
+        self.images, self.labels, self.transform = images, labels.to(torch.int64), transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[i]
+        if x.dtype == torch.uint8:
+            x = x.float().div_(255)
+        return self.transform(x), self.labels[i]
+
+
+def _to_rgb(x: torch.Tensor) -> torch.Tensor:
+    # module-level (not a lambda) so the transform pickles into DataLoader workers
+    return x.expand(3, -1, -1) if x.shape[0] == 1 else x
+
+
+def _transform(dataset: str, native: int, img_size: int, augment: bool) -> T.Compose:
+    steps: list[Callable] = []
+    if native != img_size:
+        steps.append(T.Resize((img_size, img_size), antialias=True))
+    if augment:
+        steps.append(T.RandomCrop(img_size, padding=img_size // 8))  # pads black, before normalising
+        if dataset != "digits":  # a mirrored 2 or 7 is no longer that digit
+            steps.append(T.RandomHorizontalFlip())
+    steps += [_to_rgb, T.Normalize(*DATASET_STATS[dataset])]
+    return T.Compose(steps)
+
+
+Split = tuple[torch.Tensor, torch.Tensor]  # images (N, C, H, W), labels (N,)
+
+
+def load_digits_split(img_size: int) -> tuple[Split, Split]:
+    from sklearn.datasets import load_digits  # imported lazily: sklearn costs ~1 s to import
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).div_(16).unsqueeze(1)  # (1797, 1, 8, 8) in [0, 1]
+    if img_size != 8:  # upscale the whole set once here instead of per sample
+        x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)
+    y = torch.as_tensor(digits.target, dtype=torch.int64)
+    perm = torch.from_numpy(np.random.RandomState(0).permutation(len(x)))  # fixed: every peer gets the same split
+    n_val = -(-len(x) // 5)  # 20% rounded up: 360 of 1,797
+    val, train = perm[:n_val], perm[n_val:]
+    return (x[train], y[train]), (x[val], y[val])
+
+
+def _unpack_debian_fashion(root: Path) -> None:
+    """Decompress Debian's Fashion-MNIST into torchvision's raw layout, unless it is already there."""
+    raw = root / "FashionMNIST" / "raw"
+    if all((raw / name).is_file() for name in FASHION_FILES):
+        return
+    if not all((DEBIAN_FASHION_DIR / f"{name}.gz").is_file() for name in FASHION_FILES):
+        raise DatasetUnavailable(
+            f"Fashion-MNIST not found: expected torchvision's layout <data-dir>/FashionMNIST/raw/"
+            f"{{{','.join(FASHION_FILES)}}} under --data-dir {root}, or Debian's gzipped copies in "
+            f"{DEBIAN_FASHION_DIR} (`apt-get install dataset-fashion-mnist`), and this machine cannot download."
+        )
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in FASHION_FILES:
+        if (raw / name).is_file():
+            continue
+        # temp file + os.replace: peers sharing a data dir never see a half-written file
+        fd, tmp = tempfile.mkstemp(dir=raw, prefix=f".{name}.")
+        try:
+            with os.fdopen(fd, "wb") as out, gzip.open(DEBIAN_FASHION_DIR / f"{name}.gz") as src:
+                shutil.copyfileobj(src, out)
+            os.replace(tmp, raw / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def load_fashion_split(root: Path) -> tuple[Split, Split]:
+    _unpack_debian_fashion(root)
+    splits = []
+    for train in (True, False):
+        try:
+            ds = FashionMNIST(root, train=train, download=False)  # Debian recompressed the .gz: md5s differ
+        except (RuntimeError, OSError, ValueError) as e:
+            raise DatasetUnavailable(f"Fashion-MNIST under --data-dir {root}/FashionMNIST/raw is unreadable: {e}") from e
+        splits.append((ds.data.unsqueeze(1), ds.targets))  # uint8 (N, 1, 28, 28)
+    return splits[0], splits[1]
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, list[int]]:
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+        # the CIFAR site's pickles load with str keys; ones written from Python 3 often carry b"data"
+        entry = {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
+        data = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3 * 32 * 32)
+        labels = [int(v) for v in entry["labels"]]
+        if len(labels) != len(data):
+            raise ValueError(f"{len(data)} images but {len(labels)} labels")
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DatasetUnavailable(
+            f"CIFAR-10 batch {path} is missing or unreadable ({type(e).__name__}: {e}); point --data-dir at a folder "
+            f"laid out as {CIFAR_LAYOUT} (the python pickle version from the CIFAR site)."
+        ) from e
+    return data, labels
+
+
+def load_cifar_split(root: Path) -> tuple[Split, Split]:
+    # Read the batches ourselves rather than through torchvision's CIFAR10, which insists on the official md5s
+    # (and str keys), so self-written CIFAR-format folders work too.
+    splits = []
+    for names in (CIFAR_TRAIN_FILES, ("test_batch",)):
+        batches = [_read_cifar_batch(root / CIFAR_FOLDER / name) for name in names]
+        x = torch.from_numpy(np.concatenate([b[0] for b in batches]).reshape(-1, 3, 32, 32))  # uint8 CHW
+        splits.append((x, torch.tensor([y for b in batches for y in b[1]], dtype=torch.int64)))
+    return splits[0], splits[1]
+
+
+class ImageDataModule(L.LightningDataModule):
+    def __init__(self, config: RunConfig, data_dir: Path, batch_size: int, seed: int, num_workers: int,
+                 val_limit: int | None):
+        super().__init__()
+        self.config, self.data_dir, self.batch_size = config, data_dir, batch_size
+        self.seed, self.num_workers, self.val_limit = seed, num_workers, val_limit
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.num_train = self.num_val = 0
+
+    def prepare_data(self) -> None:
+        if self.config.data.dataset != "cifar10" or (self.data_dir / CIFAR_FOLDER).is_dir():
+            return
+        try:
+            CIFAR10(self.data_dir, train=True, download=True)
+        except (OSError, RuntimeError) as e:  # URLError is an OSError: no network
+            raise DatasetUnavailable(
+                f"CIFAR-10 is not in --data-dir {self.data_dir} and could not be downloaded "
+                f"({type(e).__name__}: {e}). Put the python pickle version from the CIFAR site there, laid out as "
+                f"{CIFAR_LAYOUT}, or run once with network access."
+            ) from e
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:  # Lightning calls setup per stage; load once
+            return
+        dataset, img_size = self.config.data.dataset, self.config.model.img_size
+        if dataset == "digits":
+            (train, val), native = load_digits_split(img_size), img_size  # already resized
+        elif dataset == "fashion-mnist":
+            (train, val), native = load_fashion_split(self.data_dir), 28
+        else:
+            self.prepare_data()  # no-op when the folder exists; lets callers skip the Lightning hook order
+            (train, val), native = load_cifar_split(self.data_dir), 32
+        self.train_set = ImageTensors(*train, _transform(dataset, native, img_size, self.config.data.augment))
+        val_set: Dataset = ImageTensors(*val, _transform(dataset, native, img_size, augment=False))
+        if self.val_limit is not None:  # the first N, so every peer evaluates on the same samples
+            val_set = Subset(val_set, range(min(self.val_limit, len(val[0]))))
+        self.val_set = val_set
+        self.num_train, self.num_val = len(self.train_set), len(val_set)
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,  # fixed per-step batch
+            generator=torch.Generator().manual_seed(self.seed),  # per-peer seed: peers see different orders
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup()
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+
+def make_datamodule(config: RunConfig, data_dir: str | Path | None = None, batch_size: int | None = None,
+                    seed: int = 0, num_workers: int = 0, val_limit: int | None = None) -> ImageDataModule:
+    root = Path(data_dir).expanduser() if data_dir is not None else DEFAULT_DATA_DIR
+    return ImageDataModule(config, root, batch_size or config.batch_size, seed, num_workers, val_limit)

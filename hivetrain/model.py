@@ -1,0 +1,84 @@
+"""The model factory: a timm model built from the run's `ModelConfig`, with pretrained weights from the hub
+or from a local file."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import timm
+import torch
+
+from hivetrain.config import ModelConfig
+
+
+class PretrainedWeightsUnavailable(RuntimeError):
+    pass
+
+
+def _hub_is_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _hub_is_reachable(timeout: float = 3.0) -> bool:
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def create_model(config: ModelConfig, pretrained_weights: str | Path | None = None, seed: int = 0) -> torch.nn.Module:
+    """Build the model. Randomly initialised layers are seeded, so every peer starts from the same weights.
+
+    With `config.pretrained`, weights come from `pretrained_weights` (a timm state dict or safetensors file) when
+    given, else from the Hugging Face hub. The head is re-initialised for `num_classes`, and the position embedding
+    is resized to `img_size`, by timm.
+    """
+    kwargs = dict(config.kwargs, img_size=config.img_size, num_classes=config.num_classes)
+    torch.manual_seed(seed)
+    if not config.pretrained:
+        if pretrained_weights is not None:
+            raise ValueError(f"--pretrained-weights was given, but model {config.name} of this run is not pretrained")
+        return timm.create_model(config.name, pretrained=False, **kwargs)
+    if pretrained_weights is not None:
+        path = Path(pretrained_weights)
+        if not path.is_file():
+            raise PretrainedWeightsUnavailable(f"--pretrained-weights {path}: no such file")
+        return timm.create_model(config.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
+    hint = f"pretrained weights for {config.name} cannot be downloaded from the Hugging Face hub"
+    hint += " (HF_HUB_OFFLINE is set)" if _hub_is_offline() else ""
+    if _hub_is_offline() or not _hub_is_reachable():
+        # timm would retry the download for about a minute before failing: fail fast and say what to do instead.
+        _raise_unless_cached(config.name, hint)
+    try:
+        return timm.create_model(config.name, pretrained=True, **kwargs)
+    except OSError as e:  # huggingface_hub's LocalEntryNotFoundError, connection errors
+        raise PretrainedWeightsUnavailable(f"{hint}: {e.__class__.__name__}. {_FLAG_HINT}") from None
+
+
+_FLAG_HINT = (
+    "Download them where you have internet (e.g. `timm.create_model(NAME, pretrained=True)` then"
+    " `torch.save(model.state_dict(), FILE)`) and pass --pretrained-weights FILE."
+)
+
+
+def _raise_unless_cached(name: str, hint: str) -> None:
+    from huggingface_hub import try_to_load_from_cache
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    repo = cfg.hf_hub_id if cfg is not None else None
+    for filename in ("model.safetensors", "pytorch_model.bin"):
+        if repo and isinstance(try_to_load_from_cache(repo, filename), str):
+            return
+    raise PretrainedWeightsUnavailable(f"{hint}. {_FLAG_HINT}")
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,220 @@
+"""Our Lightning strategy for hivemind: one process per peer, gradients accumulated to the swarm's target batch and
+averaged with whoever is training, the LR schedule stepped on swarm epochs.
+
+Written for Lightning 2.6 and hivemind 1.1.12 in place of the stale `lightning-hivemind` adapter: initial peers from
+the argument or HIVETRAIN_INITIAL_PEERS really reach the DHT, client mode and relays are exposed, and fp16 training
+gets hivemind's gradient scaler.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import hivemind
+import lightning.pytorch as pl
+import torch
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from hivetrain.swarm import DHTOptions, start_dht
+
+logger = logging.getLogger(__name__)
+
+COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "8bit": Uniform8BitQuantization,
+}
+
+
+@dataclass
+class HivemindOptions:
+    run_id: str
+    target_batch_size: int  # samples the swarm accumulates per optimizer step
+    batch_size: int  # this peer's samples per local step
+    matchmaking_time: float = 3.0
+    averaging_timeout: float = 30.0
+    grad_compression: str = "none"  # "none", "fp16", "8bit"
+    state_compression: str = "none"  # for parameter averaging and state downloads
+    average_state_every: int = 1  # swarm epochs between parameter averaging rounds
+    delay_state_averaging: bool = False  # average parameters in the background (one epoch stale)
+    delay_optimizer_step: bool = False  # run the optimizer in the background (needs offload_optimizer)
+    delay_grad_averaging: bool = False  # average gradients in the background (needs delay_optimizer_step)
+    offload_optimizer: bool = True  # keep optimizer state and a master copy of parameters in host memory
+    reuse_grad_buffers: bool = False  # accumulate in .grad (saves memory); forced on for fp16 with hivemind's scaler
+    load_state_timeout: float = 60.0
+    verbose: bool = False  # hivemind's own progress messages
+
+
+class HivemindStrategy(Strategy):
+    """Train with a hivemind swarm. Give it a running `dht` or `DHTOptions` to start one."""
+
+    def __init__(
+        self,
+        options: HivemindOptions,
+        dht: Optional[hivemind.DHT] = None,
+        network: Optional[DHTOptions] = None,
+        device: Optional[torch.device] = None,
+    ):
+        super().__init__()
+        if options.delay_grad_averaging and not options.delay_optimizer_step:
+            raise ValueError("delay_grad_averaging requires delay_optimizer_step")
+        if options.delay_optimizer_step and not options.offload_optimizer:
+            raise ValueError("delay_optimizer_step requires offload_optimizer")
+        self.options = options
+        self._owns_dht = dht is None
+        self.dht = dht if dht is not None else start_dht(network or DHTOptions())
+        self._device = device
+        self.optimizer: Optional[hivemind.Optimizer] = None
+
+    # --- Lightning's single-process strategy contract -----------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._device is not None:
+            return self._device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def is_global_zero(self) -> bool:
+        return True  # every peer is its own rank zero: it logs and shows progress
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    # --- the swarm ----------------------------------------------------------------------------------------------
+
+    @property
+    def local_epoch(self) -> int:
+        return self.optimizer.local_epoch if self.optimizer is not None else 0
+
+    @property
+    def num_peers(self) -> int:
+        return self.optimizer.tracker.global_progress.num_peers if self.optimizer is not None else 1
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__} trains with exactly one optimizer, got {len(self.optimizers)}")
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        if len(schedulers) > 1:
+            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler")
+        use_fp16 = isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed"
+        if use_fp16:
+            # Plain torch scaling breaks with hivemind's accumulation; hivemind's scaler unscales once per swarm step.
+            self.options.reuse_grad_buffers = True
+            self.precision_plugin.scaler = hivemind.GradScaler()
+        self.optimizer = wrap_optimizer(self.options, self.dht, self.optimizers[0], schedulers[0] if schedulers else None)
+        # The scheduler now steps inside hivemind, once per swarm epoch: Lightning must not step it per batch.
+        self.lr_scheduler_configs = []
+        self.optimizers = [self.optimizer]
+        if self.options.reuse_grad_buffers:
+            # hivemind resets the accumulated .grad itself after each swarm step; zeroing them would lose samples.
+            self.lightning_module.optimizer_zero_grad = _keep_gradients
+        logger.info("Loading the swarm's state before the first step")
+        self.optimizer.load_state_from_peers()
+        logger.info(f"Joined the swarm at epoch {self.local_epoch}")
+
+    def teardown(self) -> None:
+        # The optimizer's averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
+        if self.optimizer is not None:
+            self.optimizer.shutdown()
+            self.optimizer = None
+        if self._owns_dht:
+            self.dht.shutdown()
+        super().teardown()
+
+
+def _keep_gradients(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def wrap_optimizer(
+    options: HivemindOptions,
+    dht: hivemind.DHT,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None,
+    private_key: Optional[RSAPrivateKey] = None,
+) -> hivemind.Optimizer:
+    """Rebuild a configured torch optimizer (and LambdaLR scheduler) inside a hivemind.Optimizer.
+
+    hivemind creates the optimizer itself so that it can offload it and run it in the background; the optimizer's
+    class, hyperparameters and param groups, and the scheduler's LR lambdas, carry over unchanged. `private_key` signs
+    this peer's progress records (default: the process's key; two peers in one process need one each).
+    """
+    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        raise ValueError(f"HivemindStrategy can rebuild LambdaLR schedulers only, got {type(scheduler).__name__}")
+    optimizer_class = type(optimizer)
+    # Each group carries every hyperparameter (torch fills in the defaults), so the groups alone rebuild it.
+    param_groups = [dict(group) for group in optimizer.param_groups]
+    lr_lambdas = scheduler.lr_lambdas if scheduler is not None else None
+
+    def make_optimizer(params):
+        return optimizer_class(params)
+
+    def make_scheduler(inner: torch.optim.Optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(inner, lr_lambdas)
+
+    initial_parameters = [param.detach().clone() for group in param_groups for param in group["params"]]
+    swarm_optimizer = hivemind.Optimizer(
+        dht=dht,
+        run_id=options.run_id,
+        target_batch_size=options.target_batch_size,
+        batch_size_per_step=options.batch_size,
+        optimizer=make_optimizer,
+        params=param_groups,
+        scheduler=make_scheduler if lr_lambdas is not None else None,
+        matchmaking_time=options.matchmaking_time,
+        averaging_timeout=options.averaging_timeout,
+        load_state_timeout=options.load_state_timeout,
+        offload_optimizer=options.offload_optimizer,
+        reuse_grad_buffers=options.reuse_grad_buffers,
+        delay_optimizer_step=options.delay_optimizer_step,
+        delay_grad_averaging=options.delay_grad_averaging,
+        delay_state_averaging=options.delay_state_averaging,
+        average_state_every=options.average_state_every,
+        grad_compression=COMPRESSION[options.grad_compression](),
+        state_averaging_compression=COMPRESSION[options.state_compression](),
+        load_state_compression=COMPRESSION[options.state_compression](),
+        client_mode=dht.client_mode,
+        tracker_opts=dict(private_key=private_key) if private_key is not None else None,
+        verbose=options.verbose,
+    )
+    _undo_virtual_step(swarm_optimizer, initial_parameters)
+    return swarm_optimizer
+
+
+def _undo_virtual_step(swarm_optimizer: hivemind.Optimizer, initial_parameters: list[torch.Tensor]) -> None:
+    """hivemind creates the optimizer's state by running one step with zero gradients. That step counts in Adam's
+    bias correction (the first real update comes out ~25% too small) and applies weight decay once. Undo both, so
+    that a swarm step is exactly the step the same optimizer would take alone."""
+    inner = swarm_optimizer.opt
+    with torch.no_grad():
+        inner_parameters = [param for group in inner.param_groups for param in group["params"]]
+        main_parameters = [param for group in swarm_optimizer.param_groups for param in group["params"]]
+        for initial, inner_param, main_param in zip(initial_parameters, inner_parameters, main_parameters):
+            inner_param.copy_(initial)
+            main_param.copy_(initial)
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0

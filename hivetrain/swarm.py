@@ -1,0 +1,194 @@
+"""The swarm's plumbing shared by the coordinator and the peers: starting a DHT node with clear errors, the addresses
+others can dial, and the run's manifest published in the DHT."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import shlex
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.p2p import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+from pydantic.v1 import BaseModel, StrictFloat, StrictStr
+
+from hivetrain.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+INITIAL_PEERS_ENV = "HIVETRAIN_INITIAL_PEERS"
+RUN_KEY = "hivetrain_run"  # one fixed key: a joiner knows only an address, not yet the run's id
+RUN_RECORD_TTL = 60.0  # seconds a published manifest lives unless the coordinator refreshes it
+
+
+class SwarmError(RuntimeError):
+    """A problem with the swarm a user can act on; its message is meant to be shown as it is."""
+
+
+@dataclass
+class DHTOptions:
+    initial_peers: list[str] = field(default_factory=list)  # empty: read HIVETRAIN_INITIAL_PEERS, else start a swarm
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])  # where to listen
+    announce_maddrs: list[str] = field(default_factory=list)  # the addresses others should dial (NAT, port forward)
+    identity_path: Optional[str] = None  # private key file: the same peer ID across restarts
+    client_mode: bool = False  # dial out only: for peers that nobody can reach
+    use_relay: bool = True  # may reach peers behind NAT through libp2p circuit relays
+    use_auto_relay: bool = False  # look for relays to become reachable while behind NAT
+    startup_timeout: float = 30.0  # p2pd start; slow machines need more than hivemind's 15 s
+
+
+def parse_multiaddrs(values: list[str], what: str) -> list[str]:
+    parsed = []
+    for value in values:
+        try:
+            parsed.append(str(Multiaddr(value.strip())))
+        except Exception as e:  # multiaddr raises several unrelated exception types
+            raise SwarmError(f"{what}: {value!r} is not a multiaddress like /ip4/1.2.3.4/tcp/31337/p2p/Qm... ({e})")
+    return parsed
+
+
+def resolve_initial_peers(explicit: list[str]) -> list[str]:
+    values = explicit or os.environ.get(INITIAL_PEERS_ENV, "").replace(",", " ").split()
+    return parse_multiaddrs(values, "initial peer")
+
+
+def check_port_free(host_maddrs: list[str]) -> None:
+    """libp2p happily starts a second node on a busy port; refuse it instead of splitting the swarm."""
+    for maddr in host_maddrs:
+        protocols = dict((p.name, v) for p, v in Multiaddr(maddr).items())
+        port = int(protocols.get("tcp", 0))
+        host = protocols.get("ip4") or protocols.get("ip6")
+        if not port or host is None:
+            continue
+        family = socket.AF_INET6 if "ip6" in protocols else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                raise SwarmError(f"cannot listen on {maddr}: {e.strerror} (is another coordinator running?)") from None
+
+
+def start_dht(options: DHTOptions) -> hivemind.DHT:
+    initial_peers = resolve_initial_peers(options.initial_peers)
+    host_maddrs = parse_multiaddrs(options.host_maddrs, "host address")
+    announce_maddrs = parse_multiaddrs(options.announce_maddrs, "announce address")
+    check_port_free(host_maddrs)
+    try:
+        dht = hivemind.DHT(
+            initial_peers=initial_peers,
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs or None,
+            identity_path=options.identity_path,
+            client_mode=options.client_mode,
+            use_relay=options.use_relay,
+            use_auto_relay=options.use_auto_relay,
+            startup_timeout=options.startup_timeout,
+            start=True,
+        )
+    except P2PDaemonError as e:
+        if "bootstrap" in str(e):
+            raise SwarmError(
+                f"could not reach any initial peer ({' '.join(initial_peers)}): is the coordinator running, is its port"
+                " open to this machine, and is the address one this machine can dial (127.0.0.1 only works on the"
+                " coordinator's own machine)?"
+            ) from None
+        raise SwarmError(f"could not start the P2P daemon: {e}") from None
+    return dht
+
+
+def _is_loopback(maddr: Multiaddr) -> bool:
+    for protocol, value in maddr.items():
+        if protocol.name in ("ip4", "ip6"):
+            return ipaddress.ip_address(value).is_loopback
+    return False
+
+
+def visible_addresses(dht: hivemind.DHT) -> tuple[list[str], bool]:
+    """The addresses other machines can dial, and whether only loopback addresses exist."""
+    maddrs = dht.get_visible_maddrs()
+    outside = [str(m) for m in maddrs if not _is_loopback(m)]
+    return (outside, False) if outside else ([str(m) for m in maddrs], True)
+
+
+def join_command(addresses: list[str], extra: str = "") -> str:
+    return f"python peers/join.py --initial-peers {' '.join(shlex.quote(a) for a in addresses)}{extra}"
+
+
+class _RunRecord(BaseModel):
+    run_id: StrictStr
+    config: StrictStr  # RunConfig as JSON
+    fingerprint: StrictStr
+    coordinator: StrictStr  # the coordinator's peer ID (base58)
+    time: StrictFloat
+
+
+class _RunRecordSchema(BaseModel):
+    hivetrain_run: dict[BytesWithPublicKey, Optional[_RunRecord]]
+
+
+def publish_run_config(dht: hivemind.DHT, config: RunConfig, ttl: float = RUN_RECORD_TTL) -> bool:
+    """Store the manifest under the run key, signed with this process's key (only it can overwrite its entry)."""
+    # hivemind keeps the first signature validator a DHT gets: a process signs all its records with one key.
+    dht.add_validators([SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
+    record = _RunRecord(
+        run_id=config.run_id,
+        config=config.to_json(),
+        fingerprint=config.fingerprint,
+        coordinator=dht.peer_id.to_base58(),
+        time=time.time(),
+    )
+    return dht.store(
+        RUN_KEY,
+        subkey=RSASignatureValidator().local_public_key,
+        value=record.dict(),
+        expiration_time=hivemind.get_dht_time() + ttl,
+    )
+
+
+def fetch_run_config(
+    dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: list[str] = (), timeout: float = 15.0
+) -> RunConfig:
+    """The newest manifest published in the swarm: the one of run `run_id` when given, preferring one published by an
+    initial peer (the coordinator the user named)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _read_run_records(dht)
+        if run_id is not None:
+            records = [r for r in records if r.run_id == run_id]
+        if records:
+            break
+        if time.monotonic() > deadline:
+            which = f"run {run_id!r}" if run_id else "any run"
+            raise SwarmError(
+                f"the swarm has no published configuration for {which} after {timeout:.0f} s: are the initial peers a"
+                " HiveTrain coordinator (python coordinator/start.py) and is it still running?"
+            )
+        time.sleep(0.5)
+    named_ids = {part for addr in initial_peers for part in addr.split("/p2p/")[1:]}
+    records.sort(key=lambda r: (r.coordinator in named_ids, r.time), reverse=True)
+    run_ids = sorted({r.run_id for r in records})
+    if run_id is None and len(run_ids) > 1 and records[0].coordinator not in named_ids:
+        raise SwarmError(f"the swarm holds several runs ({', '.join(run_ids)}): choose one with --run-id")
+    config = RunConfig.from_json(records[0].config)
+    if config.fingerprint != records[0].fingerprint:
+        raise SwarmError("the published run configuration does not match its fingerprint")
+    return config
+
+
+def _read_run_records(dht: hivemind.DHT) -> list[_RunRecord]:
+    found = dht.get(RUN_KEY, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for entry in found.value.values():
+        try:
+            records.append(_RunRecord.parse_obj(entry.value))
+        except Exception as e:  # a malformed entry never stops a reader
+            logger.warning(f"Skipping a malformed run record: {e}")
+    return records

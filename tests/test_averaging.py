@@ -1,0 +1,80 @@
+"""One swarm step over two peers equals one local AdamW step on the union of their batches."""
+
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivetrain.config import get_preset
+from hivetrain.model import create_model
+from hivetrain.module import make_optimizer
+from hivetrain.strategy import HivemindOptions, wrap_optimizer
+from hivetrain.swarm import DHTOptions, start_dht
+
+
+def _batch(seed: int, size: int, config):
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(size, 3, config.model.img_size, config.model.img_size, generator=generator)
+    labels = torch.randint(0, config.model.num_classes, (size,), generator=generator)
+    return images, labels
+
+
+def test_swarm_step_equals_local_step_on_union_batch():
+    config = get_preset("demo")
+    b = 16
+    batches = [_batch(1, b, config), _batch(2, b, config)]
+
+    reference = create_model(config.model, seed=config.seed)
+    optimizer, scheduler = make_optimizer(reference, config.optim)
+    images = torch.cat([batches[0][0], batches[1][0]])
+    labels = torch.cat([batches[0][1], batches[1][1]])
+    F.cross_entropy(reference(images), labels).backward()
+    optimizer.step()
+
+    options = HivemindOptions(
+        run_id="test_union", target_batch_size=2 * b, batch_size=b, matchmaking_time=2.0, averaging_timeout=30.0
+    )
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    models, optimizers = [], []
+    try:
+        for dht in (first, second):
+            model = create_model(config.model, seed=config.seed)
+            torch_optimizer, torch_scheduler = make_optimizer(model, config.optim)
+            models.append(model)
+            # two peers in one process: each signs its progress with its own key
+            optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
+
+        # Each peer computes the gradients of its own batch and announces its b samples first, so that when it
+        # steps, the swarm already holds 2b samples and both peers average in one round (no timing luck involved).
+        for model, opt, (x, y) in zip(models, optimizers, batches):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.tracker.report_local_progress(0, b)
+        deadline = time.monotonic() + 30
+        while min(opt.tracker.global_progress.samples_accumulated for opt in optimizers) < 2 * b:
+            assert time.monotonic() < deadline, "peers never saw each other's progress"
+            time.sleep(0.2)
+
+        threads = [threading.Thread(target=opt.step) for opt in optimizers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert [opt.local_epoch for opt in optimizers] == [1, 1]
+
+        for model in models:
+            for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
+                torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6, msg=name)
+        # the step really moved the weights: the comparison above is not between two untouched models
+        untouched = create_model(config.model, seed=config.seed)
+        moved = sum((p - q).abs().sum().item() for p, q in zip(untouched.parameters(), models[0].parameters()))
+        assert moved > 1e-3
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        second.shutdown()
+        first.shutdown()
