@@ -119,11 +119,13 @@ PRESETS: dict[str, RunConfig] = {
             name="vit_tiny_patch16_224",
             img_size=32,
             num_classes=10,
-            kwargs=dict(patch_size=8, embed_dim=64, depth=2, num_heads=2),
+            # 4 tokens of 16 px: on 8x8 digits upscaled to 32 px, this reaches 93% in 40 steps of 128 samples,
+            # where 8 px patches needed 200 (measured on one CPU thread).
+            kwargs=dict(patch_size=16, embed_dim=128, depth=2, num_heads=4, global_pool="avg", class_token=False),
         ),
         data=DataConfig(dataset="digits"),
-        optim=OptimConfig(lr=3e-3, weight_decay=0.01, warmup_steps=5, total_steps=150),
-        swarm=SwarmConfig(target_batch_size=128, matchmaking_time=1.0, averaging_timeout=15.0),
+        optim=OptimConfig(lr=3e-3, weight_decay=0.01, warmup_steps=5, total_steps=60),
+        swarm=SwarmConfig(target_batch_size=128, matchmaking_time=1.0, averaging_timeout=10.0),
         batch_size=32,
     ),
     # The mission: pretrained ViT-B/32 fine-tuned on CIFAR-10 at 224 px, 25 passes over the training set.

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import timm
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from hivetrain.config import ModelConfig
+from hivetrain.config import ModelConfig, RunConfig
 
 
 class PretrainedWeightsUnavailable(RuntimeError):
@@ -82,3 +84,20 @@ def _raise_unless_cached(name: str, hint: str) -> None:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def save_weights(path: Path, model: torch.nn.Module, config: RunConfig, epoch: int) -> None:
+    """Weights as safetensors, with the run and epoch they belong to; written to a temporary name, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp), metadata=dict(run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(epoch)))
+    tmp.replace(path)
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> dict[str, str]:
+    """Load weights saved by `save_weights` into `model`; returns their metadata (run_id, fingerprint, epoch)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    model.load_state_dict(load_file(str(path)))
+    return metadata

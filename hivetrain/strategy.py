@@ -84,6 +84,18 @@ class HivemindStrategy(Strategy):
     def is_global_zero(self) -> bool:
         return True  # every peer is its own rank zero: it logs and shows progress
 
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)

@@ -15,6 +15,7 @@ from typing import Optional
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.p2p import P2PDaemonError
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
@@ -134,8 +135,7 @@ class _RunRecordSchema(BaseModel):
 
 def publish_run_config(dht: hivemind.DHT, config: RunConfig, ttl: float = RUN_RECORD_TTL) -> bool:
     """Store the manifest under the run key, signed with this process's key (only it can overwrite its entry)."""
-    # hivemind keeps the first signature validator a DHT gets: a process signs all its records with one key.
-    dht.add_validators([SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
+    _add_run_record_validators(dht)
     record = _RunRecord(
         run_id=config.run_id,
         config=config.to_json(),
@@ -147,7 +147,7 @@ def publish_run_config(dht: hivemind.DHT, config: RunConfig, ttl: float = RUN_RE
         RUN_KEY,
         subkey=RSASignatureValidator().local_public_key,
         value=record.dict(),
-        expiration_time=hivemind.get_dht_time() + ttl,
+        expiration_time=get_dht_time() + ttl,
     )
 
 
@@ -181,8 +181,18 @@ def fetch_run_config(
     return config
 
 
+def _add_run_record_validators(dht: hivemind.DHT) -> None:
+    # The signature validator signs what this process stores and strips signatures from what it reads. hivemind
+    # keeps the first one a DHT gets (and merges later ones into it): a process signs all its records with one key.
+    dht.add_validators([SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
+
+
 def _read_run_records(dht: hivemind.DHT) -> list[_RunRecord]:
-    found = dht.get(RUN_KEY, latest=True)
+    _add_run_record_validators(dht)
+    try:  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
+        found = dht.get(RUN_KEY, latest=True, return_future=True).result(timeout=10)
+    except TimeoutError:
+        return []
     if found is None or not isinstance(found.value, dict):
         return []
     records = []

@@ -1,0 +1,248 @@
+"""Join a HiveTrain run as a volunteer peer.
+
+    python peers/join.py --initial-peers /ip4/203.0.113.7/tcp/31337/p2p/Qm...
+
+The peer fetches the run's configuration from the swarm, builds the model and data it describes, and trains with
+the others until you press Ctrl-C (or a --max-* limit is reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+# Imports of torch, lightning and hivemind take seconds: they come after the arguments are checked.
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python peers/join.py",
+        description="Join a HiveTrain run as a volunteer: fetch its configuration from the swarm and train with it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    net = parser.add_argument_group("swarm")
+    net.add_argument("--initial-peers", nargs="+", default=[], metavar="MULTIADDR",
+                     help="addresses of peers already in the run, as printed by the coordinator"
+                          " (default: $HIVETRAIN_INITIAL_PEERS)")
+    net.add_argument("--run-id", help="the run to join when the swarm holds several")
+    net.add_argument("--preset", help="refuse to join unless the run's configuration is exactly this preset")
+    net.add_argument("--client-mode", choices=("auto", "on", "off"), default="auto",
+                     help="on: only dial out (behind NAT or a firewall); auto: on when this machine has no address"
+                          " the swarm can dial back")
+    net.add_argument("--host", default="0.0.0.0", help="address to listen on (not used in client mode)")
+    net.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
+    net.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
+                     help="addresses to announce instead of the listening ones (port forwarding, public IP)")
+    net.add_argument("--identity", help="private key file: keeps this peer's ID across restarts")
+    net.add_argument("--config-timeout", type=float, default=30.0,
+                     help="seconds to wait for the run's configuration")
+    train = parser.add_argument_group("training")
+    train.add_argument("--name", default=None, help="your display name in the swarm (default: the host name)")
+    train.add_argument("--batch-size", type=int, help="samples per local step (default: the run's)")
+    train.add_argument("--precision", choices=("auto", "32", "bf16-mixed", "16-mixed"), default=None,
+                       help="default: the run's; auto picks bf16/fp16 mixed precision on GPUs and 32 on CPUs")
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    train.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    train.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
+    train.add_argument("--pretrained-weights", default=None, metavar="FILE",
+                       help="load the run's pretrained weights from this file instead of the Hugging Face hub")
+    train.add_argument("--seed", type=int, default=None, help="data order seed (default: a fresh one per peer)")
+    stop = parser.add_argument_group("when to stop (default: on Ctrl-C)")
+    stop.add_argument("--max-steps", type=int, default=-1, help="local steps")
+    stop.add_argument("--max-time", type=float, default=None, help="minutes")
+    stop.add_argument("--stop-at-epoch", type=int, default=None,
+                      help="leave once the swarm has reached this epoch (one epoch = one swarm optimizer step)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--save-weights", default=None, metavar="FILE",
+                     help="write the final weights (safetensors) when leaving")
+    out.add_argument("--progress-bar", choices=("auto", "on", "off"), default="auto",
+                     help="auto: only when the output is a terminal")
+    out.add_argument("--verbose", action="store_true", help="show hivemind's own progress messages")
+    args = parser.parse_args(argv)
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error("--batch-size must be at least 1")
+    if args.port < 0 or args.port > 65535:
+        parser.error("--port must be in 0..65535")
+    return args
+
+
+def _is_local_swarm(initial_peers: list[str]) -> bool:
+    hosts = [part for addr in initial_peers for part in addr.split("/")[2:3]]
+    return all(_is_loopback_host(host) for host in hosts)
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _has_public_address() -> bool:
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            try:
+                if ipaddress.ip_address(address.address.split("%")[0]).is_global:
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+def choose_client_mode(mode: str, initial_peers: list[str], announce: list[str]) -> bool:
+    """auto: a peer that only has private addresses cannot be dialled by a swarm on other machines (NAT)."""
+    if mode != "auto":
+        return mode == "on"
+    if announce or not initial_peers or _is_local_swarm(initial_peers):
+        return False
+    return not _has_public_address()
+
+
+def choose_precision(requested: str, device: str) -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    if device == "cuda":
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM (kill, a notebook's stop button) leaves as cleanly as Ctrl-C: goodbye to peers, no orphaned daemons.
+    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    try:
+        return _join(args)
+    except KeyboardInterrupt:
+        print("Left the swarm.", flush=True)
+        return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    from hivetrain.config import get_preset
+    from hivetrain.data import DatasetUnavailable
+    from hivetrain.model import PretrainedWeightsUnavailable
+    from hivetrain.swarm import DHTOptions, SwarmError, fetch_run_config, resolve_initial_peers, start_dht
+
+    try:
+        initial_peers = resolve_initial_peers(args.initial_peers)
+        if not initial_peers:
+            raise SwarmError("no initial peers: pass --initial-peers (printed by the coordinator) or set"
+                             " HIVETRAIN_INITIAL_PEERS")
+        expected = get_preset(args.preset) if args.preset else None
+    except (SwarmError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    client_mode = choose_client_mode(args.client_mode, initial_peers, args.announce)
+    host = f"/ip6/{args.host}" if ":" in args.host else f"/ip4/{args.host}"
+    network = DHTOptions(
+        initial_peers=initial_peers,
+        host_maddrs=[f"{host}/tcp/{args.port}"],
+        announce_maddrs=args.announce,
+        identity_path=args.identity,
+        client_mode=client_mode,
+    )
+    dht = None
+    try:
+        dht = start_dht(network)
+        config = fetch_run_config(dht, args.run_id, initial_peers, timeout=args.config_timeout)
+        if expected is not None and expected.fingerprint != config.fingerprint:
+            raise SwarmError(
+                f"the run's configuration (preset {config.preset!r}, fingerprint {config.fingerprint}) differs from"
+                f" --preset {args.preset} (fingerprint {expected.fingerprint}): this peer would train another model"
+            )
+        return _train(args, dht, config, client_mode)
+    except (SwarmError, DatasetUnavailable, PretrainedWeightsUnavailable, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dht is not None:
+            dht.shutdown()
+
+
+def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
+    import lightning.pytorch as pl
+    import torch
+
+    from hivetrain.data import make_datamodule
+    from hivetrain.model import create_model, save_weights
+    from hivetrain.module import ImageClassifier
+    from hivetrain.strategy import HivemindOptions, HivemindStrategy
+    from peers.progress import SwarmProgress
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    precision = choose_precision(args.precision or config.precision, device)
+    batch_size = args.batch_size or config.batch_size
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    name = args.name or os.uname().nodename
+    print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
+          f" {device}, precision {precision}, batch {batch_size}, {'client mode' if client_mode else 'reachable'}",
+          flush=True)
+
+    model = create_model(config.model, args.pretrained_weights, seed=config.seed)
+    datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=seed)
+    datamodule.prepare_data()
+    datamodule.setup()
+    module = ImageClassifier(config, model)
+    swarm = config.swarm
+    strategy = HivemindStrategy(
+        HivemindOptions(
+            run_id=config.run_id,
+            target_batch_size=swarm.target_batch_size,
+            batch_size=batch_size,
+            matchmaking_time=swarm.matchmaking_time,
+            averaging_timeout=swarm.averaging_timeout,
+            grad_compression=swarm.grad_compression,
+            state_compression=swarm.state_compression,
+            verbose=args.verbose,
+        ),
+        dht=dht,
+        device=torch.device(device),
+    )
+    progress = SwarmProgress(batch_size=batch_size, target_batch_size=swarm.target_batch_size,
+                             stop_at_epoch=args.stop_at_epoch)
+    show_bar = args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty())
+    trainer = pl.Trainer(
+        accelerator=device,
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_epochs=-1,
+        max_steps=args.max_steps,
+        max_time=dict(minutes=args.max_time) if args.max_time else None,
+        limit_val_batches=0,  # the coordinator validates the shared model; peers spend their time training
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=show_bar,
+        enable_model_summary=False,
+        callbacks=[progress],
+    )
+    started = time.monotonic()
+    trainer.fit(module, datamodule=datamodule)
+    if trainer.interrupted:
+        raise KeyboardInterrupt
+    print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
+          f" contributed {progress.samples} samples.", flush=True)
+    if args.save_weights:
+        save_weights(Path(args.save_weights), module.model, config, progress.epoch)
+        print(f"Saved the weights to {args.save_weights}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

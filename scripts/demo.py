@@ -1,0 +1,175 @@
+"""The embedded default: a coordinator and two volunteer peers on this machine train the `demo` preset (a tiny ViT on
+scikit-learn's digits), then the shared model is validated and the run is written to logbook/demo.md.
+
+    python scripts/demo.py [--epochs 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Joined run|Starting at|swarm epoch|Leaving|Saved|Left|error)")
+
+
+def _stream(name: str, process: subprocess.Popen, log: Path, lines: list[str]) -> None:
+    """Keep the full output in a log file; show the lines meant for people, prefixed with who said them."""
+    with log.open("w") as out:
+        for line in process.stdout:
+            out.write(line)
+            out.flush()
+            lines.append(line)
+            if OUR_LINES.match(line):
+                print(f"[{name}] {line}", end="", flush=True)
+
+
+def _start(name: str, command: list[str], workdir: Path, lines: list[str]) -> subprocess.Popen:
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    threading.Thread(target=_stream, args=(name, process, workdir / f"{name}.log", lines), daemon=True).start()
+    return process
+
+
+def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python scripts/demo.py")
+    parser.add_argument("--epochs", type=int, default=50, help="swarm epochs to train (128 samples each)")
+    parser.add_argument("--workdir", default=str(ROOT / "runs" / "demo"), help="where logs and weights go")
+    parser.add_argument("--logbook", default=str(ROOT / "logbook" / "demo.md"), help="the page written at the end")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    lines: dict[str, list[str]] = {name: [] for name in ("coordinator", "peer1", "peer2")}
+
+    print(f"HiveTrain demo: a coordinator and two peers on 127.0.0.1 train for {args.epochs} swarm epochs."
+          f" Full logs: {workdir}/", flush=True)
+    coordinator = _start("coordinator", [
+        python, "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", "0",
+        "--identity", str(workdir / "coordinator.key"), "--refresh", "15",
+    ], workdir, lines["coordinator"])
+    peers: list[subprocess.Popen] = []
+    try:
+        deadline = time.monotonic() + 120
+        address = None
+        while address is None:
+            if coordinator.poll() is not None or time.monotonic() > deadline:
+                print("error: the coordinator did not start; see its log", file=sys.stderr)
+                return 1
+            found = [line for line in lines["coordinator"] if "peers/join.py --initial-peers" in line]
+            address = found[0].split("--initial-peers", 1)[1].split() if found else None
+            time.sleep(0.2)
+        started = time.monotonic()
+        for i in (1, 2):
+            peers.append(_start(f"peer{i}", [
+                python, "peers/join.py", "--initial-peers", *address, "--name", f"peer{i}", "--threads", "1",
+                "--stop-at-epoch", str(args.epochs), "--save-weights", str(workdir / f"peer{i}.safetensors"),
+            ], workdir, lines[f"peer{i}"]))
+        codes = [peer.wait() for peer in peers]
+        wall_time = time.monotonic() - started
+    except KeyboardInterrupt:
+        print("Stopping the demo.", flush=True)
+        return 130
+    finally:
+        for process in [*peers, coordinator]:
+            _stop(process)
+    if any(codes):
+        print(f"error: a peer failed (exit codes {codes}); see {workdir}/peer*.log", file=sys.stderr)
+        return 1
+    result = _measure(workdir, args.epochs, wall_time, lines)
+    (workdir / "result.json").write_text(json.dumps(result, indent=2))
+    _write_logbook(Path(args.logbook), result)
+    print(f"\nValidation on {result['val_samples']} held-out digits: top-1 {result['top1']:.1%}, top-5"
+          f" {result['top5']:.1%}, loss {result['loss']:.3f}; {result['swarm_epochs']} swarm epochs in"
+          f" {result['wall_time_s']:.0f} s ({result['samples_per_s']:.0f} samples/s); the two peers' weights differ by"
+          f" at most {result['max_weight_difference']:.2e}.\nWritten to {args.logbook} and {workdir}/result.json",
+          flush=True)
+    return 0
+
+
+def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list[str]]) -> dict:
+    import torch
+
+    from hivetrain.config import get_preset
+    from hivetrain.data import make_datamodule
+    from hivetrain.evaluate import evaluate
+    from hivetrain.model import create_model, load_weights
+
+    config = get_preset("demo")
+    models, epochs_reached = [], []
+    for i in (1, 2):
+        model = create_model(config.model, seed=config.seed)
+        epochs_reached.append(int(load_weights(workdir / f"peer{i}.safetensors", model)["epoch"]))
+        models.append(model)
+    difference = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
+    datamodule = make_datamodule(config, batch_size=256)
+    metrics = evaluate(models[0], datamodule.val_dataloader())
+    swarm_epochs = min(epochs_reached)
+    losses = [float(m.group(1)) for line in lines["peer1"] if (m := re.search(r"loss ([0-9.]+)", line))]
+    return dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
+        versions=_versions(),
+        preset="demo", fingerprint=config.fingerprint, peers=2, threads_per_peer=1,
+        target_batch_size=config.swarm.target_batch_size, batch_size=config.batch_size,
+        swarm_epochs=swarm_epochs, wall_time_s=round(wall_time, 1),
+        samples_per_s=round(swarm_epochs * config.swarm.target_batch_size / wall_time, 1),
+        first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
+        val_samples=metrics["samples"], top1=metrics["top1"], top5=metrics["top5"], loss=metrics["loss"],
+        max_weight_difference=difference, torch_threads=torch.get_num_threads(),
+    )
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{name} {version(name)}" for name in ("torch", "hivemind", "lightning", "timm"))
+
+
+def _write_logbook(path: Path, r: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"""# Demo: a local swarm on digits
+
+Written by `make demo` (`python scripts/demo.py`) on {r['date']}: a coordinator and two volunteer peers on
+127.0.0.1, one CPU thread each, preset `demo` (fingerprint `{r['fingerprint']}`: a tiny ViT at 32 px on
+scikit-learn's 8x8 digits). CPU run on a small preset; {r['machine']}; {r['versions']}.
+
+| measure | value |
+|---|---|
+| peers | {r['peers']} |
+| target batch / per-step batch | {r['target_batch_size']} / {r['batch_size']} |
+| swarm epochs (optimizer steps) | {r['swarm_epochs']} |
+| wall time, first peer start to last peer exit | {r['wall_time_s']:.1f} s |
+| swarm throughput | {r['samples_per_s']:.1f} samples/s |
+| training loss, first → last swarm epoch (peer1) | {r['first_loss']:.3f} → {r['last_loss']:.3f} |
+| validation top-1 / top-5 ({r['val_samples']} held-out digits) | {r['top1']:.2%} / {r['top5']:.2%} |
+| validation loss | {r['loss']:.4f} |
+| largest difference between the two peers' final weights | {r['max_weight_difference']:.2e} |
+
+Raw numbers: `runs/demo/result.json` after a run; full logs in `runs/demo/`.
+""")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

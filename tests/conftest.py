@@ -1,0 +1,88 @@
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Tests never reach the Hugging Face hub; every process they start inherits this.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+class Process:
+    """A role started as its own process, its combined output collected line by line."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        self.log = log
+        self.lines: list[str] = []
+        self.popen = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            bufsize=1, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        with self.log.open("w") as out:
+            for line in self.popen.stdout:
+                out.write(line)
+                self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            if self.popen.poll() is not None:
+                self._reader.join(5)
+                for line in self.lines:
+                    if match := re.search(pattern, line):
+                        return match
+                raise AssertionError(f"process exited ({self.popen.returncode}) before {pattern!r}; log {self.log}")
+            time.sleep(0.1)
+        raise AssertionError(f"no {pattern!r} within {timeout} s; log {self.log}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"still running after {timeout} s; log {self.log}")
+        self._reader.join(10)
+        return code
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    started: list[Process] = []
+
+    def start(name: str, *args: str, env: dict | None = None) -> Process:
+        process = Process(list(args), tmp_path / f"{name}.log", env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in reversed(started):
+        process.stop()
+
+
+def start_coordinator(spawn, tmp_path: Path, *extra: str, name: str = "coordinator") -> tuple[Process, list[str]]:
+    coordinator = spawn(name, "coordinator/start.py", "--host", "127.0.0.1", "--port", "0",
+                        "--identity", str(tmp_path / f"{name}.key"), "--refresh", "2", *extra)
+    addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
+    return coordinator, addresses
