@@ -24,19 +24,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py",
         description="Start a HiveTrain run and keep its swarm together.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="what the run trains")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="what the run trains (default: %(default)s)")
     parser.add_argument("--run-id", help="name of the run (default: the preset's); no '.' or '/'")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on; keep it stable")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on; keep it stable (default: %(default)s; 0: any free port)")
     parser.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
                         help="addresses volunteers should dial instead of the listening ones (public IP, port"
                              " forwarding), e.g. /ip4/203.0.113.7/tcp/31337")
     parser.add_argument("--identity", default=None, metavar="FILE",
                         help="private key file that keeps the peer ID stable (default:"
                              " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start)")
-    parser.add_argument("--refresh", type=float, default=10.0, help="seconds between swarm status lines")
+    parser.add_argument("--refresh", type=float, default=10.0, help="seconds between swarm status lines (default: %(default)s)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")

@@ -24,7 +24,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python peers/join.py",
         description="Join a HiveTrain run as a volunteer: fetch its configuration from the swarm and train with it.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     net = parser.add_argument_group("swarm")
     net.add_argument("--initial-peers", nargs="+", default=[], metavar="MULTIADDR",
@@ -33,28 +32,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--run-id", help="the run to join when the swarm holds several")
     net.add_argument("--preset", help="refuse to join unless the run's configuration is exactly this preset")
     net.add_argument("--client-mode", choices=("auto", "on", "off"), default="auto",
-                     help="on: only dial out (behind NAT or a firewall); auto: on when this machine has no address"
-                          " the swarm can dial back")
-    net.add_argument("--host", default="0.0.0.0", help="address to listen on (not used in client mode)")
+                     help="on: only dial out (behind NAT or a firewall); auto (default): on when this machine has"
+                          " only private addresses and the swarm is on other machines")
+    net.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; not used in client mode)")
     net.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
     net.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
                      help="addresses to announce instead of the listening ones (port forwarding, public IP)")
     net.add_argument("--identity", help="private key file: keeps this peer's ID across restarts")
     net.add_argument("--config-timeout", type=float, default=30.0,
-                     help="seconds to wait for the run's configuration")
+                     help="seconds to wait for the run's configuration (default: %(default)s)")
     train = parser.add_argument_group("training")
     train.add_argument("--name", default=None, help="your display name in the swarm (default: the host name)")
     train.add_argument("--batch-size", type=int, help="samples per local step (default: the run's)")
     train.add_argument("--precision", choices=("auto", "32", "bf16-mixed", "16-mixed"), default=None,
                        help="default: the run's; auto picks bf16/fp16 mixed precision on GPUs and 32 on CPUs")
-    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="auto (default): cuda when a GPU is present, else cpu")
     train.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     train.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
     train.add_argument("--pretrained-weights", default=None, metavar="FILE",
                        help="load the run's pretrained weights from this file instead of the Hugging Face hub")
     train.add_argument("--seed", type=int, default=None, help="data order seed (default: a fresh one per peer)")
     stop = parser.add_argument_group("when to stop (default: on Ctrl-C)")
-    stop.add_argument("--max-steps", type=int, default=-1, help="local steps")
+    stop.add_argument("--max-steps", type=int, default=-1, help="local steps (default: no limit)")
     stop.add_argument("--max-time", type=float, default=None, help="minutes")
     stop.add_argument("--stop-at-epoch", type=int, default=None,
                       help="leave once the swarm has reached this epoch (one epoch = one swarm optimizer step)")
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--save-weights", default=None, metavar="FILE",
                      help="write the final weights (safetensors) when leaving")
     out.add_argument("--progress-bar", choices=("auto", "on", "off"), default="auto",
-                     help="auto: only when the output is a terminal")
+                     help="auto (default): only when the output is a terminal")
     out.add_argument("--verbose", action="store_true", help="show hivemind's own progress messages")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:

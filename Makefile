@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` (a local swarm on bundled data) and `make test`.
+# Both create .venv in the repo root and install what they need; nothing relies on what was installed by hand.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test install install-dev
+
+demo: $(VENV)/.installed
+	$(PY) scripts/demo.py
+
+test: $(VENV)/.installed-dev
+	bash scripts/install-system-test-deps.sh
+	$(PY) -m pytest -v
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# System packages the tests use, from Debian's archive: Fashion-MNIST's real files (dataset-fashion-mnist).
+# Installs them when run as root (CI); otherwise says what is missing and how to get it.
+set -euo pipefail
+missing=()
+[ -d /usr/share/datasets/fashion-mnist ] || missing+=(dataset-fashion-mnist)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+  echo "Installing ${missing[*]} (apt-get)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  echo "The tests need these Debian packages: ${missing[*]}. Install them with: sudo apt-get install ${missing[*]}" >&2
+  exit 1
+fi

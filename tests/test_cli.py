@@ -1,0 +1,103 @@
+"""Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
+
+import re
+import socket
+import time
+
+import pytest
+
+from conftest import Process, start_coordinator
+from hivetrain.config import get_preset
+from hivetrain.swarm import INITIAL_PEERS_ENV, fetch_run_config
+
+SOME_PEER_ID = "QmPvRCVMx1ta4Dzn6fqTNXNjong7wbDRiwKgjtUMPT4UTx"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _assert_clean_error(process: Process, code: int, message: str) -> None:
+    assert code == 2, process.lines
+    assert not any("Traceback" in line for line in process.lines), process.lines
+    errors = [line for line in process.lines if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), process.lines
+
+
+@pytest.fixture(scope="module")
+def demo_coordinator(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("coordinator")
+    started = []
+
+    def spawn(name, *args, env=None):
+        started.append(Process(list(args), tmp / f"{name}.log", env))
+        return started[-1]
+
+    try:
+        yield start_coordinator(spawn, tmp, "--preset", "demo", "--run-id", "cli-test")[1]
+    finally:
+        for process in started:
+            process.stop()
+
+
+def test_unparseable_multiaddr(spawn):
+    peer = spawn("peer", "peers/join.py", "--initial-peers", "not-a-multiaddr")
+    _assert_clean_error(peer, peer.wait(timeout=60), r"'not-a-multiaddr' is not a multiaddress")
+
+
+def test_nobody_listens(spawn):
+    address = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{SOME_PEER_ID}"
+    started = time.monotonic()
+    peer = spawn("peer", "peers/join.py", "--initial-peers", address)
+    _assert_clean_error(peer, peer.wait(timeout=90), r"could not reach any initial peer .*coordinator running")
+    assert time.monotonic() - started < 60
+
+
+def test_fingerprint_mismatch_reached_through_environment(spawn, demo_coordinator):
+    # No --initial-peers: the address comes from HIVETRAIN_INITIAL_PEERS, and the peer really reaches the swarm.
+    peer = spawn("peer", "peers/join.py", "--preset", "demo", env={INITIAL_PEERS_ENV: " ".join(demo_coordinator)})
+    _assert_clean_error(peer, peer.wait(timeout=90), r"differs from --preset demo")
+
+
+def test_no_initial_peers_at_all(spawn):
+    peer = spawn("peer", "peers/join.py", env={INITIAL_PEERS_ENV: ""})
+    _assert_clean_error(peer, peer.wait(timeout=60), r"no initial peers")
+
+
+def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
+    from hivetrain.strategy import HivemindOptions, HivemindStrategy
+
+    monkeypatch.setenv(INITIAL_PEERS_ENV, ",".join(demo_coordinator))
+    strategy = HivemindStrategy(HivemindOptions(run_id="cli-test", target_batch_size=64, batch_size=32))
+    try:
+        config = fetch_run_config(strategy.dht, timeout=30)
+        assert config.run_id == "cli-test"
+        assert config.fingerprint == get_preset("demo").replace(run_id="cli-test").fingerprint
+    finally:
+        strategy.dht.shutdown()  # no Trainer ran, so there is no optimizer to shut down first
+
+
+def test_pretrained_offline_without_file(spawn, tmp_path):
+    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "cifar10-vit-b32", "--run-id", "cli-pretrained")
+    peer = spawn("peer", "peers/join.py", "--initial-peers", *addresses)
+    _assert_clean_error(peer, peer.wait(timeout=90), r"cannot be downloaded .*--pretrained-weights FILE")
+
+
+def test_coordinator_keeps_identity_and_port(spawn, tmp_path):
+    port = _free_port()
+    first, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--port", str(port), name="first")
+    first.stop()
+    assert first.popen.returncode == 0
+    assert any("Coordinator stopped." in line for line in first.lines)
+    _, again = start_coordinator(spawn, tmp_path, "--preset", "demo", "--port", str(port), name="first")
+    assert again == addresses and f"/tcp/{port}/p2p/" in addresses[0]
+
+
+def test_second_coordinator_on_a_busy_port(spawn, tmp_path):
+    port = _free_port()
+    start_coordinator(spawn, tmp_path, "--preset", "demo", "--port", str(port), name="first")
+    second = spawn("second", "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", str(port),
+                   "--identity", str(tmp_path / "second.key"))
+    _assert_clean_error(second, second.wait(timeout=60), r"cannot listen on .*another coordinator")
