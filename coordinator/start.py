@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -58,11 +57,14 @@ def read_progress(dht, run_id: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
     from hivetrain.config import get_preset
     from hivetrain.swarm import (
-        DHTOptions, SwarmError, join_command, publish_run_config, start_dht, visible_addresses, RUN_RECORD_TTL,
+        RUN_RECORD_TTL, DHTOptions, SwarmError, join_command, leave_on_sigterm, publish_run_config, start_dht,
+        visible_addresses,
     )
+
+    leave_on_sigterm()
 
     dht = None
     try:

@@ -209,6 +209,8 @@ def wrap_optimizer(
         state_averaging_compression=COMPRESSION[options.state_compression](),
         load_state_compression=COMPRESSION[options.state_compression](),
         client_mode=dht.client_mode,
+        # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
+        averager_opts=dict(request_timeout=min(3.0, options.matchmaking_time / 2)),
         tracker_opts=dict(private_key=private_key) if private_key is not None else None,
         verbose=options.verbose,
     )

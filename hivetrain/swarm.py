@@ -7,7 +7,9 @@ import ipaddress
 import logging
 import os
 import shlex
+import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -75,7 +77,51 @@ def check_port_free(host_maddrs: list[str]) -> None:
                 raise SwarmError(f"cannot listen on {maddr}: {e.strerror} (is another coordinator running?)") from None
 
 
+class _ShutdownRaceFilter(logging.Filter):
+    """Drops hivemind's tracebacks of a harmless shutdown race: an averager process that has just exited leaves a
+    message in the DHT's pipe whose reply channel is gone. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and issubclass(record.exc_info[0], (FileNotFoundError, ConnectionError, EOFError)):
+            return False
+        return "Task was destroyed but it is pending" not in record.getMessage()
+
+
+def _ignore_closed_loop_in_finalizers(unraisable) -> None:
+    # MPFuture.__del__ may run after its event loop closed during interpreter exit; nothing is lost then.
+    if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def quiet_shutdown() -> None:
+    """Keep hivemind's known shutdown races out of the output, so that leaving the swarm prints no traceback. Call it
+    before starting the DHT: its processes are forked and inherit the filters."""
+    for name in ("hivemind.dht.dht", "asyncio"):
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, _ShutdownRaceFilter) for f in logger_.filters):
+            logger_.addFilter(_ShutdownRaceFilter())
+    sys.unraisablehook = _ignore_closed_loop_in_finalizers
+
+
+def leave_on_sigterm() -> None:
+    """SIGTERM (kill, a notebook's stop button) stops the process as cleanly as Ctrl-C: KeyboardInterrupt in the main
+    process, so it says goodbye to its peers and shuts its DHT down. The handler raises directly (a shell starts
+    background jobs with SIGINT ignored), and hivemind's forked processes keep the default: they just end."""
+    main_pid = os.getpid()
+
+    def leave(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def start_dht(options: DHTOptions) -> hivemind.DHT:
+    quiet_shutdown()
     initial_peers = resolve_initial_peers(options.initial_peers)
     host_maddrs = parse_multiaddrs(options.host_maddrs, "host address")
     announce_maddrs = parse_multiaddrs(options.announce_maddrs, "announce address")

@@ -12,7 +12,6 @@ import argparse
 import ipaddress
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -119,8 +118,10 @@ def choose_precision(requested: str, device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # SIGTERM (kill, a notebook's stop button) leaves as cleanly as Ctrl-C: goodbye to peers, no orphaned daemons.
-    signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
+    from hivetrain.swarm import leave_on_sigterm
+
+    leave_on_sigterm()
     try:
         return _join(args)
     except KeyboardInterrupt:
@@ -233,14 +234,18 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
         callbacks=[progress],
     )
     started = time.monotonic()
-    trainer.fit(module, datamodule=datamodule)
-    if trainer.interrupted:
-        raise KeyboardInterrupt
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    except SystemExit:  # Lightning's answer to Ctrl-C: it has torn down (goodbye to peers), then exits 1
+        if not trainer.interrupted:
+            raise
     print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
           f" contributed {progress.samples} samples.", flush=True)
     if args.save_weights:
         save_weights(Path(args.save_weights), module.model, config, progress.epoch)
         print(f"Saved the weights to {args.save_weights}", flush=True)
+    if trainer.interrupted:
+        raise KeyboardInterrupt
     return 0
 
 

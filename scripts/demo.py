@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         for i in (1, 2):
             peers.append(_start(f"peer{i}", [
-                python, "peers/join.py", "--initial-peers", *address, "--name", f"peer{i}", "--threads", "1",
+                python, "peers/join.py", "--initial-peers", *address, "--host", "127.0.0.1", "--name", f"peer{i}",
+                "--threads", "1",
                 "--stop-at-epoch", str(args.epochs), "--save-weights", str(workdir / f"peer{i}.safetensors"),
             ], workdir, lines[f"peer{i}"]))
         codes = [peer.wait() for peer in peers]

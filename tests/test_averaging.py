@@ -27,6 +27,7 @@ def test_swarm_step_equals_local_step_on_union_batch():
     batches = [_batch(1, b, config), _batch(2, b, config)]
 
     reference = create_model(config.model, seed=config.seed)
+    initial = {k: v.detach().clone() for k, v in reference.named_parameters()}
     optimizer, scheduler = make_optimizer(reference, config.optim)
     images = torch.cat([batches[0][0], batches[1][0]])
     labels = torch.cat([batches[0][1], batches[1][1]])
@@ -68,10 +69,13 @@ def test_swarm_step_equals_local_step_on_union_batch():
 
         for model in models:
             for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
-                torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6, msg=name)
+                # Adam divides by the gradient's magnitude, which amplifies float rounding (2 batches of b vs one of
+                # 2b) in near-zero gradients: compare whole update vectors. Without the virtual-step fix in
+                # wrap_optimizer this ratio is ~0.25 for every parameter.
+                step = expected - initial[name]
+                assert (actual - expected).norm() <= 1e-3 * step.norm(), name
         # the step really moved the weights: the comparison above is not between two untouched models
-        untouched = create_model(config.model, seed=config.seed)
-        moved = sum((p - q).abs().sum().item() for p, q in zip(untouched.parameters(), models[0].parameters()))
+        moved = sum((initial[name] - p).abs().sum().item() for name, p in models[0].named_parameters())
         assert moved > 1e-3
     finally:
         for opt in optimizers:

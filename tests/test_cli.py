@@ -8,7 +8,7 @@ import pytest
 
 from conftest import Process, start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.swarm import INITIAL_PEERS_ENV, fetch_run_config
+from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions, fetch_run_config
 
 SOME_PEER_ID = "QmPvRCVMx1ta4Dzn6fqTNXNjong7wbDRiwKgjtUMPT4UTx"
 
@@ -43,26 +43,26 @@ def demo_coordinator(tmp_path_factory):
 
 
 def test_unparseable_multiaddr(spawn):
-    peer = spawn("peer", "peers/join.py", "--initial-peers", "not-a-multiaddr")
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", "not-a-multiaddr")
     _assert_clean_error(peer, peer.wait(timeout=60), r"'not-a-multiaddr' is not a multiaddress")
 
 
 def test_nobody_listens(spawn):
     address = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{SOME_PEER_ID}"
     started = time.monotonic()
-    peer = spawn("peer", "peers/join.py", "--initial-peers", address)
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", address)
     _assert_clean_error(peer, peer.wait(timeout=90), r"could not reach any initial peer .*coordinator running")
     assert time.monotonic() - started < 60
 
 
 def test_fingerprint_mismatch_reached_through_environment(spawn, demo_coordinator):
     # No --initial-peers: the address comes from HIVETRAIN_INITIAL_PEERS, and the peer really reaches the swarm.
-    peer = spawn("peer", "peers/join.py", "--preset", "demo", env={INITIAL_PEERS_ENV: " ".join(demo_coordinator)})
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--preset", "demo", env={INITIAL_PEERS_ENV: " ".join(demo_coordinator)})
     _assert_clean_error(peer, peer.wait(timeout=90), r"differs from --preset demo")
 
 
 def test_no_initial_peers_at_all(spawn):
-    peer = spawn("peer", "peers/join.py", env={INITIAL_PEERS_ENV: ""})
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", env={INITIAL_PEERS_ENV: ""})
     _assert_clean_error(peer, peer.wait(timeout=60), r"no initial peers")
 
 
@@ -70,7 +70,8 @@ def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
     from hivetrain.strategy import HivemindOptions, HivemindStrategy
 
     monkeypatch.setenv(INITIAL_PEERS_ENV, ",".join(demo_coordinator))
-    strategy = HivemindStrategy(HivemindOptions(run_id="cli-test", target_batch_size=64, batch_size=32))
+    strategy = HivemindStrategy(HivemindOptions(run_id="cli-test", target_batch_size=64, batch_size=32),
+                                network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     try:
         config = fetch_run_config(strategy.dht, timeout=30)
         assert config.run_id == "cli-test"
@@ -81,7 +82,7 @@ def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
 
 def test_pretrained_offline_without_file(spawn, tmp_path):
     _, addresses = start_coordinator(spawn, tmp_path, "--preset", "cifar10-vit-b32", "--run-id", "cli-pretrained")
-    peer = spawn("peer", "peers/join.py", "--initial-peers", *addresses)
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses)
     _assert_clean_error(peer, peer.wait(timeout=90), r"cannot be downloaded .*--pretrained-weights FILE")
 
 
