@@ -207,7 +207,7 @@ def write_checkpoint(checkpoint: Checkpoint, path: str | Path) -> Path:
     return path
 
 
-def _member_bytes(tar: tarfile.TarFile, name: str) -> bytes:
+def _member_file(tar: tarfile.TarFile, name: str):
     try:
         member = tar.getmember(name)
     except KeyError:
@@ -215,7 +215,11 @@ def _member_bytes(tar: tarfile.TarFile, name: str) -> bytes:
     f = tar.extractfile(member)
     if f is None:
         raise CheckpointCorrupted(f"{name} is not a regular file")
-    return f.read()
+    return f
+
+
+def _member_bytes(tar: tarfile.TarFile, name: str) -> bytes:
+    return _member_file(tar, name).read()
 
 
 def _verify_members(tar: tarfile.TarFile) -> dict[str, Any]:
@@ -228,13 +232,7 @@ def _verify_members(tar: tarfile.TarFile) -> dict[str, Any]:
         if name not in files:
             raise CheckpointCorrupted(f"its manifest lists no {name}")
     for name, expected in files.items():
-        try:
-            member = tar.getmember(name)
-        except KeyError:
-            raise CheckpointCorrupted(f"has no {name}") from None
-        f = tar.extractfile(member)
-        if f is None:
-            raise CheckpointCorrupted(f"{name} is not a regular file")
+        f = _member_file(tar, name)
         digest, size = hashlib.sha256(), 0
         while chunk := f.read(MiB):
             digest.update(chunk)
