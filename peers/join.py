@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
                      help="addresses to announce instead of the listening ones (port forwarding, public IP)")
     net.add_argument("--identity", help="private key file: keeps this peer's ID across restarts")
+    net.add_argument("--auto-relay", action="store_true",
+                     help="behind NAT, look for libp2p relays among the peers to become reachable through them")
     net.add_argument("--config-timeout", type=float, default=30.0,
                      help="seconds to wait for the run's configuration (default: %(default)s)")
     train = parser.add_argument_group("training")
@@ -152,11 +154,14 @@ def _join(args: argparse.Namespace) -> int:
         announce_maddrs=args.announce,
         identity_path=args.identity,
         client_mode=client_mode,
+        use_auto_relay=args.auto_relay,
     )
     dht = None
     try:
         dht = start_dht(network)
         config = fetch_run_config(dht, args.run_id, initial_peers, timeout=args.config_timeout)
+        if expected is not None:  # the run's name may differ; everything that shapes training may not
+            expected = expected.replace(run_id=config.run_id)
         if expected is not None and expected.fingerprint != config.fingerprint:
             raise SwarmError(
                 f"the run's configuration (preset {config.preset!r}, fingerprint {config.fingerprint}) differs from"

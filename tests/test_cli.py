@@ -57,8 +57,9 @@ def test_nobody_listens(spawn):
 
 def test_fingerprint_mismatch_reached_through_environment(spawn, demo_coordinator):
     # No --initial-peers: the address comes from HIVETRAIN_INITIAL_PEERS, and the peer really reaches the swarm.
-    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--preset", "demo", env={INITIAL_PEERS_ENV: " ".join(demo_coordinator)})
-    _assert_clean_error(peer, peer.wait(timeout=90), r"differs from --preset demo")
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--preset", "cifar10-vit-b32",
+                 env={INITIAL_PEERS_ENV: " ".join(demo_coordinator)})
+    _assert_clean_error(peer, peer.wait(timeout=90), r"preset 'demo'.* differs from --preset cifar10-vit-b32")
 
 
 def test_no_initial_peers_at_all(spawn):
