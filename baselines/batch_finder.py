@@ -1,15 +1,16 @@
 """Find the largest per-device batch that fits: `--batch-size auto` of baselines/run.py.
 
-Each trial is its own process (`python -m baselines.batch_finder --batch-size B ...`) that builds the run's model and
-optimizer and takes a few forward + backward + optimizer steps on random images of the run's shape, so its peak memory
-belongs to that batch size alone (a process's peak RSS never goes down, and a CUDA context that has hit an OOM is
-fragmented). A batch fits on a GPU when no `torch.cuda.OutOfMemoryError` is raised (and, with a budget, when
-`torch.cuda.max_memory_allocated` stays within it); on a CPU when the trial's peak RSS stays within the budget. The
-search doubles from a start size until a trial fails, then bisects until the gap is within `tolerance` of the size.
+Each trial is its own process (`python -m baselines.batch_finder --trial B ...`) that loads the run's dataset,
+builds its model and optimizer and takes a few forward + backward + optimizer steps on random images of the run's
+shape, so its peak memory belongs to that batch size alone (a process's peak RSS never goes down, and a CUDA context
+that has hit an OOM is fragmented). A batch fits on a GPU when no `torch.cuda.OutOfMemoryError` is raised (and,
+with a budget, when `torch.cuda.max_memory_allocated` stays within it); on a CPU when the trial's peak RSS stays
+within the budget. The search doubles from a start size until a trial fails, then bisects until the gap is within
+`tolerance` of the size.
 
-What a trial does not hold: the dataset and DataLoader of the real run (digits: 17 MB, CIFAR-10: 150 MB uint8),
-Lightning's own objects, and DDP's gradient buckets (about one more copy of the gradients). The run record keeps the
-real run's peak memory per rank, so the margin is visible.
+What a trial does not hold: Lightning's Trainer, DataLoader batches in flight (and their workers), and DDP's gradient
+buckets (about one more copy of the gradients). The run record keeps the real run's peak memory per rank, so the
+margin is visible.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class TrialSpec:
     device: str  # "cpu" or "cuda"
     precision: str  # "32", "bf16-mixed", "16-mixed", ...
     threads: int | None = None
+    data_dir: str | None = None  # the run's --data-dir: a trial holds the same dataset in memory as the run
     steps: int = 3  # optimizer steps per trial: the first allocates Adam's state, the rest show the steady peak
 
 
@@ -85,10 +87,12 @@ class SearchResult:
 
 
 def run_trial(spec: TrialSpec, batch_size: int, budget_bytes: int | None) -> Trial:
-    cmd = [sys.executable, "-m", "baselines.batch_finder", "--preset", spec.preset, "--batch-size", str(batch_size),
+    cmd = [sys.executable, "-m", "baselines.batch_finder", "--preset", spec.preset, "--trial", str(batch_size),
            "--device", spec.device, "--precision", spec.precision, "--steps", str(spec.steps)]
     if spec.threads:
         cmd += ["--threads", str(spec.threads)]
+    if spec.data_dir:
+        cmd += ["--data-dir", spec.data_dir]
     import psutil
 
     started = time.monotonic()
@@ -139,10 +143,10 @@ def find_batch_size(spec: TrialSpec, budget_bytes: int | None, start: int = 32, 
     while True:
         trial = run_trial(spec, size, budget_bytes)
         result.trials.append(trial)
-        peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         budget = f" of {format_bytes(budget_bytes)}" if budget_bytes else ""
+        peak = f"peak {format_bytes(trial.peak_bytes)}{budget}" if trial.peak_bytes is not None else "stopped"
         log(f"batch finder: {size:5d} {'fits' if trial.fits else 'does not fit: ' + trial.reason}"
-            f" (peak {peak}{budget}, {trial.seconds:.1f} s)")
+            f" ({peak}, {trial.seconds:.1f} s)")
         if trial.fits:
             lo = size
             if lo >= cap:
@@ -162,38 +166,68 @@ def find_batch_size(spec: TrialSpec, budget_bytes: int | None, start: int = 32, 
     return result
 
 
-def _trial(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m baselines.batch_finder",
-        description="One batch-size trial: a few training steps of the preset's model on random data; prints its peak"
-                    " memory as JSON (exit 3 on CUDA out of memory). baselines/run.py --batch-size auto runs these.",
+        description="Find the largest per-device batch of a preset that fits (what baselines/run.py --batch-size auto"
+                    " does), e.g. once on a node before launching with torchrun or SLURM. With --trial B: run one"
+                    " trial (a few training steps on random data), print its peak memory as JSON, exit 3 on CUDA"
+                    " out of memory.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--preset", required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--precision", default="32")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--precision", choices=("32", "bf16-mixed", "16-mixed"), default="32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of each trial")
+    parser.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trial")
+    parser.add_argument("--memory-budget", default=None,
+                        help="peak memory a batch may use: RSS on a CPU (required there), allocated memory on a GPU")
+    parser.add_argument("--start", type=int, default=32, help="first batch size tried")
+    parser.add_argument("--cap", type=int, default=MAX_BATCH, help="never answer more than this")
+    parser.add_argument("--tolerance", type=float, default=1 / 8,
+                        help="stop when the gap between fitting and failing sizes is this fraction of the answer")
+    parser.add_argument("--trial", type=int, default=None, metavar="B", help="run one trial at batch B and exit")
     args = parser.parse_args(argv)
+    if args.trial is not None:
+        code = _trial(args)
+        # Straight out: the interpreter's teardown of torch grows RSS by ~100 MB for a moment, which the parent's
+        # budget watch would count against this batch size.
+        sys.stdout.flush()
+        os._exit(code)
+    try:
+        budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+        spec = TrialSpec(args.preset, args.device, args.precision, args.threads, args.data_dir, args.steps)
+        result = find_batch_size(spec, budget, start=args.start, cap=args.cap, tolerance=args.tolerance)
+    except (ValueError, BatchSearchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"largest batch that fits: {result.batch_size}", flush=True)
+    return 0
 
+
+def _trial(args: argparse.Namespace) -> int:
     import resource
 
     import torch
     import torch.nn.functional as F
 
     from hivetrain.config import get_preset
+    from hivetrain.data import make_datamodule
     from hivetrain.model import create_model
     from hivetrain.module import make_optimizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     config = get_preset(args.preset)
+    # The run holds its dataset in memory (and sklearn for digits: ~90 MB together on the demo): so does the trial.
+    make_datamodule(config, args.data_dir).setup()
     # Memory does not depend on where the weights come from: skip pretrained weights (no hub, no file needed).
     model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(args.device)
     optimizer, _ = make_optimizer(model, config.optim)
     size, classes = config.model.img_size, config.model.num_classes
-    images = torch.randn(args.batch_size, 3, size, size, device=args.device)
-    labels = torch.randint(0, classes, (args.batch_size,), device=args.device)
+    images = torch.randn(args.trial, 3, size, size, device=args.device)
+    labels = torch.randint(0, classes, (args.trial,), device=args.device)
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(args.precision)
     try:
         for _ in range(args.steps):
@@ -208,9 +242,9 @@ def _trial(argv: list[str] | None = None) -> int:
         return OOM_EXIT
     peak_cuda = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    print(json.dumps(dict(batch_size=args.batch_size, peak_rss=peak_rss, peak_cuda=peak_cuda)), flush=True)
+    print(json.dumps(dict(batch_size=args.trial, peak_rss=peak_rss, peak_cuda=peak_cuda)), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_trial())
+    sys.exit(main())

@@ -46,9 +46,10 @@ class ImageClassifier(pl.LightningModule):
         self.config = config
         self.model = model
         classes = config.model.num_classes
-        self.train_top1 = MulticlassAccuracy(classes, top_k=1)
-        self.val_top1 = MulticlassAccuracy(classes, top_k=1)
-        self.val_top5 = MulticlassAccuracy(classes, top_k=min(5, classes))
+        # micro: the fraction of samples classified right, as hivetrain.evaluate counts it (not a mean over classes)
+        self.train_top1 = MulticlassAccuracy(classes, top_k=1, average="micro")
+        self.val_top1 = MulticlassAccuracy(classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(classes, top_k=min(5, classes), average="micro")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

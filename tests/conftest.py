@@ -7,9 +7,12 @@ import threading
 import time
 from pathlib import Path
 
+import boto3
 import pytest
+from s3server import SeaweedS3
 
 ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
 # Tests never reach the Hugging Face hub; every process they start inherits this.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -86,3 +89,30 @@ def start_coordinator(spawn, tmp_path: Path, *extra: str, name: str = "coordinat
                         "--identity", str(tmp_path / f"{name}.key"), "--refresh", "2", *extra)
     addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
     return coordinator, addresses
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real SeaweedFS S3 server on loopback for the whole session, with a bucket, and the AWS env to reach it."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    env = pytest.MonkeyPatch()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        env.delenv(name, raising=False)  # a developer's own AWS setup must not leak into the tests
+    for name, value in server.client_env().items():
+        env.setenv(name, value)
+    server.start()
+    try:
+        client = boto3.client("s3", endpoint_url=server.endpoint_url)
+        deadline = time.monotonic() + 30
+        while True:  # /healthz answers a moment before the filer behind the gateway does
+            try:
+                client.create_bucket(Bucket=BUCKET)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield server
+    finally:
+        server.stop()
+        env.undo()

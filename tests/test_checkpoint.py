@@ -15,6 +15,7 @@ from pathlib import Path
 import boto3
 import pytest
 import torch
+from conftest import BUCKET
 from s3server import SeaweedS3, free_ports
 
 from hivetrain.checkpoint import (
@@ -36,34 +37,8 @@ from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
-BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
 
 
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """A real SeaweedFS S3 server on loopback for the whole session, with a bucket, and the AWS env to reach it."""
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
-    env = pytest.MonkeyPatch()
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-        env.delenv(name, raising=False)  # a developer's own AWS setup must not leak into the tests
-    for name, value in server.client_env().items():
-        env.setenv(name, value)
-    server.start()
-    try:
-        client = boto3.client("s3", endpoint_url=server.endpoint_url)
-        deadline = time.monotonic() + 30
-        while True:  # /healthz answers a moment before the filer behind the gateway does
-            try:
-                client.create_bucket(Bucket=BUCKET)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        yield server
-    finally:
-        server.stop()
-        env.undo()
 
 
 @dataclass
