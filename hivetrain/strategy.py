@@ -8,6 +8,7 @@ gets hivemind's gradient scaler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -134,7 +135,7 @@ class HivemindStrategy(Strategy):
         use_fp16 = isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed"
         if use_fp16:
             # Plain torch scaling breaks with hivemind's accumulation; hivemind's scaler unscales once per swarm step.
-            self.options.reuse_grad_buffers = True
+            self.options = dataclasses.replace(self.options, reuse_grad_buffers=True)
             self.precision_plugin.scaler = hivemind.GradScaler()
         self.optimizer = wrap_optimizer(self.options, self.dht, self.optimizers[0], schedulers[0] if schedulers else None)
         # The scheduler now steps inside hivemind, once per swarm epoch: Lightning must not step it per batch.
