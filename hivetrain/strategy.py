@@ -123,6 +123,15 @@ class HivemindStrategy(Strategy):
     def num_peers(self) -> int:
         return self.optimizer.tracker.global_progress.num_peers if self.optimizer is not None else 1
 
+    def count_reachable_peers(self) -> int:
+        """Peers that have joined the run and serve its state, this one included. Unlike the progress records (which
+        a peer only publishes once it has samples), every reachable peer declares itself as soon as it starts;
+        client-mode peers are not counted."""
+        found = self.dht.get(f"{self.options.run_id}_state_averager.all_averagers", latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return 0
+        return sum(1 for entry in found.value.values() if entry.value is not None)
+
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:

@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     stop = parser.add_argument_group("when to stop (default: on Ctrl-C)")
     stop.add_argument("--max-steps", type=int, default=-1, help="local steps (default: no limit)")
     stop.add_argument("--max-time", type=float, default=None, help="minutes")
+    train.add_argument("--min-peers", type=int, default=1,
+                       help="wait until this many reachable peers (this one included) have joined before the first step")
     stop.add_argument("--stop-at-epoch", type=int, default=None,
                       help="leave once the swarm has reached this epoch (one epoch = one swarm optimizer step)")
     out = parser.add_argument_group("output")
@@ -220,7 +222,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
         device=torch.device(device),
     )
     progress = SwarmProgress(batch_size=batch_size, target_batch_size=swarm.target_batch_size,
-                             stop_at_epoch=args.stop_at_epoch)
+                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers)
     show_bar = args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty())
     trainer = pl.Trainer(
         accelerator=device,

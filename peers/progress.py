@@ -11,14 +11,17 @@ import torch
 
 
 class SwarmProgress(pl.Callback):
-    def __init__(self, batch_size: int, target_batch_size: int, stop_at_epoch: Optional[int] = None):
+    def __init__(self, batch_size: int, target_batch_size: int, stop_at_epoch: Optional[int] = None,
+                 min_peers: int = 1):
         self.batch_size, self.target_batch_size, self.stop_at_epoch = batch_size, target_batch_size, stop_at_epoch
+        self.min_peers = min_peers
         self.epoch = 0
         self.samples = 0  # samples this peer contributed
         self._epoch_started = time.monotonic()
         self._losses: list[float] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._wait_for_peers(trainer)
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
         self._epoch_started = time.monotonic()
         print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
@@ -40,6 +43,18 @@ class SwarmProgress(pl.Callback):
             bar.print(line) if bar is not None else print(line, flush=True)
             self.epoch, self._epoch_started, self._losses = epoch, now, []
         self._maybe_stop(trainer)
+
+    def _wait_for_peers(self, trainer: pl.Trainer) -> None:
+        """A peer alone takes whole swarm epochs by itself, at full local speed: with --min-peers it waits for others
+        to join before its first step."""
+        waited = 0.0
+        while (present := trainer.strategy.count_reachable_peers()) < self.min_peers:
+            if waited % 10 == 0:
+                print(f"Waiting for peers: {present} of {self.min_peers} in the swarm", flush=True)
+            time.sleep(0.5)
+            waited += 0.5
+        if waited:
+            trainer.strategy.optimizer.load_state_from_peers()  # whoever was first may have stepped meanwhile
 
     def _maybe_stop(self, trainer: pl.Trainer) -> None:
         if self.stop_at_epoch is not None and trainer.strategy.local_epoch >= self.stop_at_epoch:

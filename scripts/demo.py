@@ -43,6 +43,55 @@ def _start(name: str, command: list[str], workdir: Path, lines: list[str]) -> su
     return process
 
 
+class PeerSampler(threading.Thread):
+    """CPU % and resident memory of each peer (its process and the hivemind processes it started), every second."""
+
+    def __init__(self, pids: list[int], interval: float = 1.0):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.psutil, self.pids, self.interval = psutil, pids, interval
+        self.samples: list = []
+        self.peak_rss = [0] * len(pids)
+        self._tracked: dict[int, object] = {}
+        self._stop_event = threading.Event()
+        self._started = time.monotonic()
+
+    def _tree(self, pid: int) -> list:
+        try:
+            root = self.psutil.Process(pid)
+            processes = [root, *root.children(recursive=True)]
+        except self.psutil.NoSuchProcess:
+            return []
+        # keep one Process object per pid: cpu_percent measures since that object's previous call
+        return [self._tracked.setdefault(p.pid, p) for p in processes]
+
+    def run(self) -> None:
+        from hivetrain.records import UtilisationSample
+
+        self.psutil.cpu_percent(None)
+        while not self._stop_event.wait(self.interval):
+            system = self.psutil.cpu_percent(None)
+            for rank, pid in enumerate(self.pids):
+                cpu = rss = 0
+                for process in self._tree(pid):
+                    try:
+                        cpu += process.cpu_percent(None)
+                        rss += process.memory_info().rss
+                    except self.psutil.NoSuchProcess:
+                        continue
+                if rss:
+                    self.peak_rss[rank] = max(self.peak_rss[rank], rss)
+                    self.samples.append(UtilisationSample(
+                        time_s=round(time.monotonic() - self._started, 2), rank=rank, cpu_percent=round(cpu, 1),
+                        system_cpu_percent=system, rss_bytes=rss,
+                    ))
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+
 def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -57,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=50, help="swarm epochs to train (128 samples each)")
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "demo"), help="where logs and weights go")
     parser.add_argument("--logbook", default=str(ROOT / "logbook" / "demo.md"), help="the page written at the end")
+    parser.add_argument("--record-dir", default=str(ROOT / "logbook" / "records"),
+                        help="where the swarm's run record goes, beside the baselines' ('' for none); the demo's"
+                             " baselines page is rebuilt from that folder")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -81,14 +133,18 @@ def main(argv: list[str] | None = None) -> int:
             address = found[0].split("--initial-peers", 1)[1].split() if found else None
             time.sleep(0.2)
         started = time.monotonic()
+        started_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         for i in (1, 2):
             peers.append(_start(f"peer{i}", [
                 python, "peers/join.py", "--initial-peers", *address, "--host", "127.0.0.1", "--name", f"peer{i}",
-                "--threads", "1",
+                "--threads", "1", "--min-peers", "2",
                 "--stop-at-epoch", str(args.epochs), "--save-weights", str(workdir / f"peer{i}.safetensors"),
             ], workdir, lines[f"peer{i}"]))
+        sampler = PeerSampler([peer.pid for peer in peers])
+        sampler.start()
         codes = [peer.wait() for peer in peers]
         wall_time = time.monotonic() - started
+        sampler.stop()
     except KeyboardInterrupt:
         print("Stopping the demo.", flush=True)
         return 130
@@ -101,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     result = _measure(workdir, args.epochs, wall_time, lines)
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
+    if args.record_dir:
+        record = _write_record(Path(args.record_dir), result, sampler, started_at, " ".join(["python", *sys.argv]))
+        from hivetrain.logbook import build
+
+        pages = build([Path(args.record_dir)], Path(args.logbook).parent, "demo",
+                      f"python -m hivetrain.logbook build --records {args.record_dir} --out {Path(args.logbook).parent}")
+        print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
     print(f"\nValidation on {result['val_samples']} held-out digits: top-1 {result['top1']:.1%}, top-5"
           f" {result['top5']:.1%}, loss {result['loss']:.3f}; {result['swarm_epochs']} swarm epochs in"
           f" {result['wall_time_s']:.0f} s ({result['samples_per_s']:.0f} samples/s); the two peers' weights differ by"
@@ -140,6 +203,34 @@ def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list
         val_samples=metrics["samples"], top1=metrics["top1"], top5=metrics["top5"], loss=metrics["loss"],
         max_weight_difference=difference, torch_threads=torch.get_num_threads(),
     )
+
+
+def _write_record(record_dir: Path, r: dict, sampler: PeerSampler, started_at: str, command: str) -> Path:
+    """The demo as a run record of strategy "swarm", so the logbook sets it beside single, DDP and FSDP."""
+    from hivetrain.config import get_preset
+    from hivetrain.records import RankMemory, RunRecord, ValidationPoint, cpu_name, software_versions, write_record
+
+    config = get_preset("demo")
+    samples = r["swarm_epochs"] * r["target_batch_size"]
+    passes = samples // 1437  # digits' training split
+    return write_record(RunRecord(
+        name=f"demo-swarm-{r['peers']}peers-{started_at.replace(':', '').replace('-', '')[:15]}",
+        experiment="demo", strategy="swarm", preset="demo", config=config.to_dict(), fingerprint=config.fingerprint,
+        command=command, started_at=started_at, host=os.uname().nodename, accelerator="cpu", device_name=cpu_name(),
+        versions=software_versions(), num_nodes=1, devices_per_node=r["peers"], world_size=r["peers"],
+        threads=r["threads_per_peer"], precision="32", batch_size=r["batch_size"], batch_size_auto=False,
+        accumulate=r["target_batch_size"] // (r["batch_size"] * r["peers"]), global_batch_size=r["target_batch_size"],
+        epochs=passes, steps=r["swarm_epochs"], train_samples=samples, wall_time_s=r["wall_time_s"],
+        train_time_s=r["wall_time_s"], samples_per_s=r["samples_per_s"],
+        # the peers do not validate; the shared model is validated once, at the end
+        validation=[ValidationPoint(epoch=passes, step=r["swarm_epochs"], time_s=r["wall_time_s"],
+                                    loss=round(r["loss"], 6), top1=round(r["top1"], 6), top5=round(r["top5"], 6))],
+        memory=[RankMemory(rank=rank, host=os.uname().nodename, peak_rss_bytes=peak)
+                for rank, peak in enumerate(sampler.peak_rss)],
+        utilisation=sampler.samples, best_checkpoint=str(ROOT / "runs" / "demo" / "peer1.safetensors"),
+        best_top1=round(r["top1"], 6), cpu_count=os.cpu_count(),
+        notes="peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
+    ), record_dir)
 
 
 def _versions() -> str:

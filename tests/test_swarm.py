@@ -32,7 +32,8 @@ def swarm_run(tmp_path_factory):
         coordinator, addresses = start_coordinator(spawn, tmp, "--preset", "demo")
         peers = {}
         for name in ("a", "b"):
-            peers[name] = spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", name, "--threads", "1",
+            peers[name] = spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", name, "--min-peers", "2",
+                                "--threads", "1",
                                 "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"))
         peers["a"].wait_for(r"swarm epoch ([3-9]|\d\d) ", timeout=240)
         peers["c"] = spawn("c", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", "c", "--threads", "1",
@@ -60,10 +61,10 @@ def test_two_peers_train_and_average(swarm_run):
     config = get_preset("demo")
     initial = torch.cat([p.detach().flatten() for p in create_model(config.model, seed=config.seed).parameters()])
     moved = (weights_a - initial).abs().max().item()
-    # Averaged peers hold the same weights; the last round may be one that a leaving peer missed, so allow the size
-    # of one late-schedule step, far below how far training moved them.
+    # Averaged peers hold the same weights. Peers leave one by one, so the last rounds may be ones that one of them
+    # missed: allow two Adam steps (an Adam step moves each weight by at most about lr).
     assert moved > 0.01
-    assert (weights_a - weights_b).abs().max().item() < 0.02 * moved
+    assert (weights_a - weights_b).abs().max().item() < 2 * config.optim.lr
     lines_a, lines_b = _epoch_lines(peers["a"]), _epoch_lines(peers["b"])
     # After an averaging round the two peers' parameters are bit-identical: same digest at the same epoch.
     digests_a = {epoch: digest for epoch, _, digest in lines_a}
@@ -78,9 +79,13 @@ def test_late_joiner_downloads_current_state(swarm_run):
     assert codes["c"] == 0, codes
     start = peers["c"].wait_for(r"Starting at swarm epoch (\d+) \| params (\w+)", timeout=1)
     joined_at, digest = int(start.group(1)), start.group(2)
+    # Before its first step C holds the swarm's epoch (>= 3, where A and B were) and trained parameters, not the
+    # initial ones every peer builds. Its digest is not required to equal one that A or B printed: hivemind may
+    # serve its state between a peer's optimizer step and its parameter averaging, a moment no progress line shows.
     assert joined_at >= 3
-    # Before its first step, C holds parameters the swarm held at some epoch: downloaded, not its own initial ones.
-    swarm_digests = {d for name in ("a", "b") for _, _, d in _epoch_lines(peers[name])}
-    assert digest in swarm_digests
     config = get_preset("demo")
     assert digest != parameter_digest(create_model(config.model, seed=config.seed))
+    # Then it trains with the swarm to the end.
+    epoch_c, _ = _load(tmp / "c.safetensors")
+    assert epoch_c == STOP_AT
+    assert [epoch for epoch, _, _ in _epoch_lines(peers["c"])][0] == joined_at + 1

@@ -1,0 +1,32 @@
+"""The README's main command, shortened: a coordinator and two peers, then the page and the swarm's run record."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+from hivetrain.records import read_record
+
+
+def test_demo_writes_its_numbers_and_a_swarm_record(tmp_path):
+    page, records = tmp_path / "logbook" / "demo.md", tmp_path / "logbook" / "records"
+    done = subprocess.run(
+        [sys.executable, "scripts/demo.py", "--epochs", "4", "--workdir", str(tmp_path / "run"), "--logbook", str(page),
+         "--record-dir", str(records)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["swarm_epochs"] >= 4 and result["val_samples"] == 360
+    text = page.read_text()
+    assert f"| swarm epochs (optimizer steps) | {result['swarm_epochs']} |" in text
+    assert f"{result['top1']:.2%}" in text
+    (path,) = records.glob("*.json")
+    record = read_record(path)
+    assert record.strategy == "swarm" and record.world_size == 2 and record.steps == result["swarm_epochs"]
+    assert record.validation[-1].top1 == round(result["top1"], 6)
+    assert len(record.memory) == 2 and all(m.peak_rss_bytes > 50 * 2**20 for m in record.memory)
+    assert {s.rank for s in record.utilisation} == {0, 1}
+    baselines_page = (tmp_path / "logbook" / "demo-baselines.md").read_text()
+    assert record.name in baselines_page
