@@ -55,7 +55,7 @@ class PeerSampler(threading.Thread):
         self.peak_rss = [0] * len(pids)
         self._tracked: dict[int, object] = {}
         self._stop_event = threading.Event()
-        self._started = time.monotonic()
+        self._t0 = time.monotonic()
 
     def _tree(self, pid: int) -> list:
         try:
@@ -83,7 +83,7 @@ class PeerSampler(threading.Thread):
                 if rss:
                     self.peak_rss[rank] = max(self.peak_rss[rank], rss)
                     self.samples.append(UtilisationSample(
-                        time_s=round(time.monotonic() - self._started, 2), rank=rank, cpu_percent=round(cpu, 1),
+                        time_s=round(time.monotonic() - self._t0, 2), rank=rank, cpu_percent=round(cpu, 1),
                         system_cpu_percent=system, rss_bytes=rss,
                     ))
 
@@ -158,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
     if args.record_dir:
-        record = _write_record(Path(args.record_dir), result, sampler, started_at, " ".join(["python", *sys.argv]))
+        record = _write_record(Path(args.record_dir), workdir, result, sampler, started_at,
+                               " ".join(["python", *sys.argv]))
         from hivetrain.logbook import build
 
+        records, out = _shown(Path(args.record_dir)), _shown(Path(args.logbook).parent)
         pages = build([Path(args.record_dir)], Path(args.logbook).parent, "demo",
-                      f"python -m hivetrain.logbook build --records {args.record_dir} --out {Path(args.logbook).parent}")
+                      f"python -m hivetrain.logbook build --records {records} --out {out}")
         print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
     print(f"\nValidation on {result['val_samples']} held-out digits: top-1 {result['top1']:.1%}, top-5"
           f" {result['top5']:.1%}, loss {result['loss']:.3f}; {result['swarm_epochs']} swarm epochs in"
@@ -205,7 +207,14 @@ def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list
     )
 
 
-def _write_record(record_dir: Path, r: dict, sampler: PeerSampler, started_at: str, command: str) -> Path:
+def _shown(path: Path) -> str:
+    """A path as the logbook shows it: relative to the repository when it lies inside."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler, started_at: str,
+                  command: str) -> Path:
     """The demo as a run record of strategy "swarm", so the logbook sets it beside single, DDP and FSDP."""
     from hivetrain.config import get_preset
     from hivetrain.records import RankMemory, RunRecord, ValidationPoint, cpu_name, software_versions, write_record
@@ -227,7 +236,7 @@ def _write_record(record_dir: Path, r: dict, sampler: PeerSampler, started_at: s
                                     loss=round(r["loss"], 6), top1=round(r["top1"], 6), top5=round(r["top5"], 6))],
         memory=[RankMemory(rank=rank, host=os.uname().nodename, peak_rss_bytes=peak)
                 for rank, peak in enumerate(sampler.peak_rss)],
-        utilisation=sampler.samples, best_checkpoint=str(ROOT / "runs" / "demo" / "peer1.safetensors"),
+        utilisation=sampler.samples, best_checkpoint=_shown(workdir / "peer1.safetensors"),
         best_top1=round(r["top1"], 6), cpu_count=os.cpu_count(),
         notes="peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
     ), record_dir)
