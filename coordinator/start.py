@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
     from hivetrain.config import get_preset
     from hivetrain.swarm import (
-        RUN_RECORD_TTL, DHTOptions, SwarmError, join_command, leave_on_sigterm, publish_run_config, start_dht,
-        visible_addresses,
+        RUN_RECORD_TTL, DHTOptions, SwarmError, join_command, leave_on_sigterm, listen_maddr, publish_run_config,
+        start_dht, visible_addresses,
     )
 
     leave_on_sigterm()
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             config = config.replace(run_id=args.run_id)
         identity = Path(args.identity or Path.home() / ".cache" / "hivetrain" / config.run_id / "coordinator.key")
         identity.parent.mkdir(parents=True, exist_ok=True)
-        host = f"/ip6/{args.host}" if ":" in args.host else f"/ip4/{args.host}"
         dht = start_dht(DHTOptions(
-            host_maddrs=[f"{host}/tcp/{args.port}"], announce_maddrs=args.announce, identity_path=str(identity),
+            host_maddrs=[listen_maddr(args.host, args.port)], announce_maddrs=args.announce,
+            identity_path=str(identity),
         ))
         addresses, loopback_only = visible_addresses(dht)
         print(f"Run {config.run_id}: preset {config.preset}, fingerprint {config.fingerprint},"

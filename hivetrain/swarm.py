@@ -46,6 +46,11 @@ class DHTOptions:
     startup_timeout: float = 30.0  # p2pd start; slow machines need more than hivemind's 15 s
 
 
+def listen_maddr(host: str, port: int) -> str:
+    """The multiaddress to listen on for a --host/--port pair (IPv6 when the host has a colon)."""
+    return f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
+
+
 def parse_multiaddrs(values: list[str], what: str) -> list[str]:
     parsed = []
     for value in values:

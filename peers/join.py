@@ -137,7 +137,9 @@ def _join(args: argparse.Namespace) -> int:
     from hivetrain.config import get_preset
     from hivetrain.data import DatasetUnavailable
     from hivetrain.model import PretrainedWeightsUnavailable
-    from hivetrain.swarm import DHTOptions, SwarmError, fetch_run_config, resolve_initial_peers, start_dht
+    from hivetrain.swarm import (
+        DHTOptions, SwarmError, fetch_run_config, listen_maddr, resolve_initial_peers, start_dht,
+    )
 
     try:
         initial_peers = resolve_initial_peers(args.initial_peers)
@@ -149,10 +151,9 @@ def _join(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     client_mode = choose_client_mode(args.client_mode, initial_peers, args.announce)
-    host = f"/ip6/{args.host}" if ":" in args.host else f"/ip4/{args.host}"
     network = DHTOptions(
         initial_peers=initial_peers,
-        host_maddrs=[f"{host}/tcp/{args.port}"],
+        host_maddrs=[listen_maddr(args.host, args.port)],
         announce_maddrs=args.announce,
         identity_path=args.identity,
         client_mode=client_mode,

@@ -243,9 +243,9 @@ def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler
 
 
 def _versions() -> str:
-    from importlib.metadata import version
+    from hivetrain.records import software_versions
 
-    return ", ".join(f"{name} {version(name)}" for name in ("torch", "hivemind", "lightning", "timm"))
+    return ", ".join(f"{name} {version}" for name, version in software_versions().items() if name != "python")
 
 
 def _write_logbook(path: Path, r: dict) -> None:

@@ -1,12 +1,12 @@
 """Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
 
 import re
-import socket
 import time
 
 import pytest
 
 from conftest import Process, start_coordinator
+from s3server import free_ports
 from hivetrain.config import get_preset
 from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions, fetch_run_config
 
@@ -14,9 +14,7 @@ SOME_PEER_ID = "QmPvRCVMx1ta4Dzn6fqTNXNjong7wbDRiwKgjtUMPT4UTx"
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _assert_clean_error(process: Process, code: int, message: str) -> None:

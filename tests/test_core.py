@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import timm
 import torch
+from s3server import free_ports
 
 from hivetrain.config import PRESETS, RunConfig, get_preset
 from hivetrain.data import make_datamodule
@@ -53,24 +54,13 @@ def test_pretrained_unreachable_hub_fails_fast(monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    with socket_closed_port() as port:  # a hub address where nothing listens, on loopback
-        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
-        started = time.monotonic()
-        with pytest.raises(PretrainedWeightsUnavailable, match="--pretrained-weights FILE"):
-            create_model(get_preset("cifar10-vit-b32").model)
+    (port,) = free_ports(1)  # a hub address where nothing listens, on loopback
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    with pytest.raises(PretrainedWeightsUnavailable, match="--pretrained-weights FILE"):
+        create_model(get_preset("cifar10-vit-b32").model)
     assert time.monotonic() - started < 10
 
-
-class socket_closed_port:
-    def __enter__(self) -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def test_pretrained_weights_from_file(tmp_path):
