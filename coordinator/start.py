@@ -1,9 +1,11 @@
-"""Start a HiveTrain run: the swarm's bootstrap peer.
+"""Start a HiveTrain run: the swarm's bootstrap peer, monitor and validator.
 
     python coordinator/start.py --preset demo --host 127.0.0.1
 
 It listens on a stable address (same port and peer ID across restarts), publishes the run's configuration for
-joiners, prints the command volunteers paste to join, and reports the swarm's progress until Ctrl-C.
+joiners, and prints the command volunteers paste to join. Until Ctrl-C it watches the swarm (every peer's record and
+hivemind's progress, into the metrics store and TensorBoard), holds a copy of the shared state that it serves to
+joiners, validates that state every few swarm epochs, and keeps the best checkpoint (a folder, or S3).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,69 +25,185 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py",
-        description="Start a HiveTrain run and keep its swarm together.",
+        description="Start a HiveTrain run and keep its swarm together: bootstrap peer, monitor and validator.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="what the run trains (default: %(default)s)")
     parser.add_argument("--run-id", help="name of the run (default: the preset's); no '.' or '/'")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on; keep it stable (default: %(default)s; 0: any free port)")
-    parser.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
-                        help="addresses volunteers should dial instead of the listening ones (public IP, port"
-                             " forwarding), e.g. /ip4/203.0.113.7/tcp/31337")
-    parser.add_argument("--identity", default=None, metavar="FILE",
-                        help="private key file that keeps the peer ID stable (default:"
-                             " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start)")
-    parser.add_argument("--refresh", type=float, default=10.0, help="seconds between swarm status lines (default: %(default)s)")
+    parser.add_argument("--resume", default=None, metavar="PATH|s3://...",
+                        help="start from a checkpoint (a .tar, a checkpoint folder or s3://bucket/prefix: its best):"
+                             " joiners download its state; it must come from a run with the same --preset and --run-id")
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port to listen on; keep it stable (default: %(default)s; 0: any free port)")
+    net.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
+                     help="addresses volunteers should dial instead of the listening ones (public IP, port"
+                          " forwarding), e.g. /ip4/203.0.113.7/tcp/31337")
+    net.add_argument("--identity", default=None, metavar="FILE",
+                     help="private key file that keeps the peer ID stable (default:"
+                          " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start)")
+    watch = parser.add_argument_group("monitoring and validation")
+    watch.add_argument("--refresh", type=float, default=10.0, help="seconds between looks at the swarm (default: %(default)s)")
+    watch.add_argument("--log-dir", default=None, metavar="DIR",
+                       help="where the metrics store, TensorBoard events and checkpoints go (default: runs/<run-id>)")
+    watch.add_argument("--store", default=None, metavar="FILE", help="the SQLite metrics store (default: <log-dir>/metrics.sqlite)")
+    watch.add_argument("--validate-every", type=int, default=1, metavar="EPOCHS",
+                       help="validate the shared model every this many swarm epochs (default: %(default)s; 0: never)")
+    watch.add_argument("--val-limit", type=int, default=None, metavar="N", help="validate on the first N samples only (small machines)")
+    watch.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
+    watch.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where to validate; auto (default): cuda when a GPU is present")
+    watch.add_argument("--threads", type=int, default=None, help="CPU threads for validation (default: torch's choice)")
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint-store", default=None, metavar="DIR|s3://BUCKET/PREFIX",
+                      help="where the best checkpoints go (default: <log-dir>/checkpoints); S3 credentials come from"
+                           " the standard AWS chain (environment, ~/.aws, instance profile)")
+    ckpt.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible server's URL (MinIO, SeaweedFS, ...)")
+    ckpt.add_argument("--keep-last", type=int, default=5, help="checkpoints kept besides the best (default: %(default)s)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
     if args.refresh <= 0:
         parser.error("--refresh must be positive")
+    if args.validate_every < 0:
+        parser.error("--validate-every must be 0 or more")
+    if args.val_limit is not None and args.val_limit < 1:
+        parser.error("--val-limit must be at least 1")
+    if args.keep_last < 0:
+        parser.error("--keep-last must be 0 or more")
     return args
 
 
-def read_progress(dht, run_id: str) -> tuple[int, int, int]:
-    """(swarm epoch, peers, samples accumulated toward the next epoch) from hivemind's own progress records."""
-    found = dht.get(f"{run_id}_progress", latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return 0, 0, 0
-    records = [entry.value for entry in found.value.values() if isinstance(getattr(entry, "value", None), dict)]
-    epoch = max((r.get("epoch", 0) for r in records), default=0)
-    samples = sum(r.get("samples_accumulated", 0) for r in records if r.get("epoch") == epoch)
-    return epoch, len(records), samples
+def status_line(snapshot) -> str:
+    if not snapshot.alive_peers:
+        return f"swarm epoch {snapshot.epoch} | waiting for peers"
+    clients = f" ({snapshot.clients} in client mode)" if snapshot.clients else ""
+    eta = f", next in ~{snapshot.eta_seconds:.0f} s" if snapshot.eta_seconds is not None else ""
+    loss = f" | loss {snapshot.mean_loss:.3f}" if snapshot.mean_loss is not None else ""
+    return (f"swarm epoch {snapshot.epoch} | {snapshot.alive_peers} peer{'s' if snapshot.alive_peers > 1 else ''}"
+            f"{clients} | {snapshot.samples_per_second:.0f} samples/s | {snapshot.samples_accumulated}/"
+            f"{snapshot.target_batch_size} samples toward the next epoch{eta}{loss}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
-    from hivetrain.config import get_preset
-    from hivetrain.swarm import (
-        RUN_RECORD_TTL, DHTOptions, SwarmError, join_command, leave_on_sigterm, listen_maddr, publish_run_config,
-        start_dht, visible_addresses,
-    )
+    from hivetrain.swarm import leave_on_sigterm
 
     leave_on_sigterm()
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("Coordinator stopped.", flush=True)
+        return 0
 
-    dht = None
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from hivetrain.checkpoint import CheckpointError, load_checkpoint, open_store
+    from hivetrain.config import get_preset
+    from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.metrics_store import MetricsWriter, StoreError
+    from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, start_dht
+
+    # Everything that can be refused is checked before the run is touched: the checkpoint to resume, the store, the
+    # validation data. Only then does the coordinator join the swarm.
+    resources = []  # closed in reverse order on the way out
     try:
         config = get_preset(args.preset)
         if args.run_id:
             config = config.replace(run_id=args.run_id)
+        resume = None
+        if args.resume:
+            resume = load_checkpoint(args.resume, endpoint_url=args.s3_endpoint_url)
+            if resume.config.fingerprint != config.fingerprint:
+                raise ValueError(
+                    f"--resume {args.resume} is a checkpoint of run {resume.config.run_id!r} (preset"
+                    f" {resume.config.preset!r}, fingerprint {resume.config.fingerprint}), not of this run"
+                    f" ({config.run_id!r}, preset {config.preset!r}, fingerprint {config.fingerprint}): start with"
+                    f" --preset {resume.config.preset} --run-id {resume.config.run_id}")
+            print(f"Resuming from {args.resume}: swarm epoch {resume.epoch}", flush=True)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        log_dir = Path(args.log_dir or Path("runs") / config.run_id)
+        writer = MetricsWriter(args.store or log_dir / "metrics.sqlite")
+        resources.append(writer)
+        loader = None
+        if args.validate_every:
+            data = make_datamodule(config, args.data_dir, val_limit=args.val_limit)
+            data.prepare_data()
+            data.setup()
+            loader = data.val_dataloader()
+        checkpoints = open_store(args.checkpoint_store or log_dir / "checkpoints", keep_last=args.keep_last,
+                                 endpoint_url=args.s3_endpoint_url)
+        resources.append(checkpoints)
+
         identity = Path(args.identity or Path.home() / ".cache" / "hivetrain" / config.run_id / "coordinator.key")
         identity.parent.mkdir(parents=True, exist_ok=True)
         dht = start_dht(DHTOptions(
             host_maddrs=[listen_maddr(args.host, args.port)], announce_maddrs=args.announce,
             identity_path=str(identity),
         ))
-        addresses, loopback_only = visible_addresses(dht)
-        print(f"Run {config.run_id}: preset {config.preset}, fingerprint {config.fingerprint},"
-              f" peer ID {dht.peer_id.to_base58()}", flush=True)
-        if loopback_only:
-            print("Only loopback addresses exist: volunteers can join from this machine only"
-                  " (use --host 0.0.0.0, or --announce with your public address).", flush=True)
-        print(f"To join, run:\n  {join_command(addresses)}", flush=True)
-        next_publish = next_status = 0.0
+        resources.append(dht)
+        return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir)
+    except (SwarmError, StoreError, CheckpointError, DatasetUnavailable, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (BotoCoreError, ClientError) as e:
+        print(f"error: S3: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    finally:
+        for resource in reversed(resources):
+            _close(resource)
+
+
+def _close(resource) -> None:
+    from hivetrain.checkpoint import CheckpointStore
+
+    if isinstance(resource, CheckpointStore) and not resource.flush(timeout=30):
+        print(f"Some checkpoints are not uploaded yet: they stay staged and upload when a coordinator on this machine"
+              f" next uses {resource.uri}", flush=True)
+    resource.shutdown() if hasattr(resource, "shutdown") else resource.close()
+
+
+def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir) -> int:
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from coordinator.monitor import SwarmMonitor, Validator
+    from coordinator.state import StateHolder
+    from hivetrain.metrics_store import RunInfo
+    from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, visible_addresses
+
+    addresses, loopback_only = visible_addresses(dht)
+    command = join_command(addresses)
+    print(f"Run {config.run_id}: preset {config.preset}, fingerprint {config.fingerprint},"
+          f" peer ID {dht.peer_id.to_base58()}", flush=True)
+    if loopback_only:
+        print("Only loopback addresses exist: volunteers can join from this machine only"
+              " (use --host 0.0.0.0, or --announce with your public address).", flush=True)
+    print(f"To join, run:\n  {command}", flush=True)
+    writer.set_run(RunInfo(run_id=config.run_id, preset=config.preset, fingerprint=config.fingerprint,
+                           config_json=config.to_json(), join_command=command,
+                           coordinator_peer_id=dht.peer_id.to_base58(), started=time.time()))
+    print(f"Metrics: {writer.path}; TensorBoard: {log_dir / 'tensorboard'}; checkpoints: {checkpoints.uri}", flush=True)
+    tensorboard = SummaryWriter(str(log_dir / "tensorboard"))
+    holder = StateHolder(dht, config, resume, device=torch.device(device))
+    monitor = SwarmMonitor(dht, config, writer, tensorboard, start_epoch=holder.epoch)
+    stop = threading.Event()
+    validation = None
+    if loader is not None:
+        validator = Validator(holder, loader, writer, checkpoints, every=args.validate_every, device=device,
+                              swarm_epoch=lambda: monitor.latest.epoch if monitor.latest else 0,
+                              tensorboard=tensorboard, report=lambda line: print(line, flush=True))
+        validation = threading.Thread(target=validator.run, args=(stop,), name="validator", daemon=True)
+    try:
+        next_publish = next_refresh = 0.0
         while True:
             now = time.monotonic()
             if now >= next_publish:
@@ -92,24 +211,18 @@ def main(argv: list[str] | None = None) -> int:
                 if not publish_run_config(dht, config):
                     logging.warning("Could not store the run's configuration in the DHT; retrying")
                 next_publish = now + RUN_RECORD_TTL / 3
-            if now >= next_status:
-                epoch, peers, samples = read_progress(dht, config.run_id)
-                if peers:
-                    print(f"swarm epoch {epoch} | {peers} peer{'s' if peers > 1 else ''} | {samples}/"
-                          f"{config.swarm.target_batch_size} samples toward the next epoch", flush=True)
-                else:
-                    print("waiting for peers", flush=True)
-                next_status = now + args.refresh
-            time.sleep(0.5)
-    except (SwarmError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("Coordinator stopped.", flush=True)
-        return 0
+            if now >= next_refresh:
+                print(status_line(monitor.refresh()), flush=True)
+                if validation is not None and validation.ident is None:
+                    validation.start()  # after the first look: it needs to know where the swarm is
+                next_refresh = now + args.refresh
+            time.sleep(0.2)
     finally:
-        if dht is not None:
-            dht.shutdown()
+        stop.set()
+        if validation is not None and validation.is_alive():
+            validation.join(timeout=60)  # a validation in progress finishes and saves its checkpoint
+        holder.shutdown()
+        tensorboard.close()
 
 
 if __name__ == "__main__":

@@ -187,6 +187,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
     from hivetrain.model import create_model, save_weights
     from hivetrain.module import ImageClassifier
     from hivetrain.strategy import HivemindOptions, HivemindStrategy
+    from hivetrain.telemetry import describe_hardware
     from peers.progress import SwarmProgress
 
     if args.threads:
@@ -222,7 +223,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
         dht=dht,
         device=torch.device(device),
     )
-    progress = SwarmProgress(batch_size=batch_size, target_batch_size=swarm.target_batch_size,
+    progress = SwarmProgress(batch_size=batch_size, target_batch_size=swarm.target_batch_size, name=name,
+                             hardware=describe_hardware(device), client_mode=client_mode,
                              stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers)
     show_bar = args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty())
     trainer = pl.Trainer(

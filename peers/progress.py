@@ -1,4 +1,5 @@
-"""What a peer shows while it trains: one line per swarm epoch, and the stop-at-epoch rule."""
+"""What a peer shows while it trains and tells the swarm: one line per swarm epoch, a metrics record every few seconds
+(hivetrain.telemetry), and the stop-at-epoch rule."""
 
 from __future__ import annotations
 
@@ -9,29 +10,42 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publish_peer_record
+
 
 class SwarmProgress(pl.Callback):
-    def __init__(self, batch_size: int, target_batch_size: int, stop_at_epoch: Optional[int] = None,
-                 min_peers: int = 1):
+    def __init__(self, batch_size: int, target_batch_size: int, name: str, hardware: str, client_mode: bool,
+                 stop_at_epoch: Optional[int] = None, min_peers: int = 1, publish_every: float = PUBLISH_EVERY):
         self.batch_size, self.target_batch_size, self.stop_at_epoch = batch_size, target_batch_size, stop_at_epoch
-        self.min_peers = min_peers
+        self.name, self.hardware, self.client_mode = name, hardware, client_mode
+        self.min_peers, self.publish_every = min_peers, publish_every
         self.epoch = 0
         self.samples = 0  # samples this peer contributed
         self._epoch_started = time.monotonic()
-        self._losses: list[float] = []
+        self._losses: list[float] = []  # since the last epoch line
+        self._published = (time.monotonic(), 0)  # when, and at how many samples
+        self._recent_losses: list[float] = []  # since the last record
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._wait_for_peers(trainer)
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
         self._epoch_started = time.monotonic()
         print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
+        self._published = (time.monotonic(), 0)
+        self._publish(trainer)
         self._maybe_stop(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.samples += self.batch_size
         if isinstance(outputs, dict) and "loss" in outputs:
             self._losses.append(float(outputs["loss"]))
+            self._recent_losses.append(self._losses[-1])
+        if time.monotonic() - self._published[0] >= self.publish_every:
+            self._publish(trainer)
         epoch = trainer.strategy.local_epoch
         if epoch != self.epoch:
             now = time.monotonic()
@@ -43,6 +57,24 @@ class SwarmProgress(pl.Callback):
             bar.print(line) if bar is not None else print(line, flush=True)
             self.epoch, self._epoch_started, self._losses = epoch, now, []
         self._maybe_stop(trainer)
+
+    def _publish(self, trainer: pl.Trainer, wait: bool = False) -> None:
+        now = time.monotonic()
+        since, samples_then = self._published
+        losses = self._recent_losses
+        record = PeerRecord(
+            peer_id=trainer.strategy.dht.peer_id.to_base58(),
+            name=self.name,
+            hardware=self.hardware,
+            client_mode=self.client_mode,
+            epoch=trainer.strategy.local_epoch,
+            samples_per_second=(self.samples - samples_then) / max(now - since, 1e-6),
+            loss=finite_or_none(sum(losses) / len(losses)) if losses else None,
+            samples=self.samples,
+            time=time.time(),
+        )
+        publish_peer_record(trainer.strategy.dht, trainer.strategy.options.run_id, record, wait=wait)
+        self._published, self._recent_losses = (now, self.samples), []
 
     def _wait_for_peers(self, trainer: pl.Trainer) -> None:
         """A peer alone takes whole swarm epochs by itself, at full local speed: with --min-peers it waits for others

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
           f" Full logs: {workdir}/", flush=True)
     coordinator = _start("coordinator", [
         python, "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", "0",
-        "--identity", str(workdir / "coordinator.key"), "--refresh", "15",
+        "--identity", str(workdir / "coordinator.key"), "--refresh", "15", "--log-dir", str(workdir),
     ], workdir, lines["coordinator"])
     peers: list[subprocess.Popen] = []
     try:

@@ -70,6 +70,14 @@ class Process:
                 self.popen.wait()
 
 
+def assert_clean_error(process: Process, code: int, message: str) -> None:
+    """Bad input: exit code 2, one line starting with "error:" that matches `message`, no traceback."""
+    assert code == 2, process.lines
+    assert not any("Traceback" in line for line in process.lines), process.lines
+    errors = [line for line in process.lines if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), process.lines
+
+
 @pytest.fixture
 def spawn(tmp_path):
     started: list[Process] = []
@@ -86,7 +94,8 @@ def spawn(tmp_path):
 
 def start_coordinator(spawn, tmp_path: Path, *extra: str, name: str = "coordinator") -> tuple[Process, list[str]]:
     coordinator = spawn(name, "coordinator/start.py", "--host", "127.0.0.1", "--port", "0",
-                        "--identity", str(tmp_path / f"{name}.key"), "--refresh", "2", *extra)
+                        "--identity", str(tmp_path / f"{name}.key"), "--log-dir", str(tmp_path / name),
+                        "--refresh", "2", *extra)
     addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
     return coordinator, addresses
 

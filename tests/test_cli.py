@@ -1,11 +1,10 @@
 """Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
 
-import re
 import time
 
 import pytest
 
-from conftest import Process, start_coordinator
+from conftest import Process, assert_clean_error, start_coordinator
 from s3server import free_ports
 from hivetrain.config import get_preset
 from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions, fetch_run_config
@@ -15,13 +14,6 @@ SOME_PEER_ID = "QmPvRCVMx1ta4Dzn6fqTNXNjong7wbDRiwKgjtUMPT4UTx"
 
 def _free_port() -> int:
     return free_ports(1)[0]
-
-
-def _assert_clean_error(process: Process, code: int, message: str) -> None:
-    assert code == 2, process.lines
-    assert not any("Traceback" in line for line in process.lines), process.lines
-    errors = [line for line in process.lines if line.startswith("error:")]
-    assert len(errors) == 1 and re.search(message, errors[0]), process.lines
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +34,14 @@ def demo_coordinator(tmp_path_factory):
 
 def test_unparseable_multiaddr(spawn):
     peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", "not-a-multiaddr")
-    _assert_clean_error(peer, peer.wait(timeout=60), r"'not-a-multiaddr' is not a multiaddress")
+    assert_clean_error(peer, peer.wait(timeout=60), r"'not-a-multiaddr' is not a multiaddress")
 
 
 def test_nobody_listens(spawn):
     address = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{SOME_PEER_ID}"
     started = time.monotonic()
     peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", address)
-    _assert_clean_error(peer, peer.wait(timeout=90), r"could not reach any initial peer .*coordinator running")
+    assert_clean_error(peer, peer.wait(timeout=90), r"could not reach any initial peer .*coordinator running")
     assert time.monotonic() - started < 60
 
 
@@ -57,12 +49,12 @@ def test_fingerprint_mismatch_reached_through_environment(spawn, demo_coordinato
     # No --initial-peers: the address comes from HIVETRAIN_INITIAL_PEERS, and the peer really reaches the swarm.
     peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--preset", "cifar10-vit-b32",
                  env={INITIAL_PEERS_ENV: " ".join(demo_coordinator)})
-    _assert_clean_error(peer, peer.wait(timeout=90), r"preset 'demo'.* differs from --preset cifar10-vit-b32")
+    assert_clean_error(peer, peer.wait(timeout=90), r"preset 'demo'.* differs from --preset cifar10-vit-b32")
 
 
 def test_no_initial_peers_at_all(spawn):
     peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", env={INITIAL_PEERS_ENV: ""})
-    _assert_clean_error(peer, peer.wait(timeout=60), r"no initial peers")
+    assert_clean_error(peer, peer.wait(timeout=60), r"no initial peers")
 
 
 def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
@@ -80,9 +72,10 @@ def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
 
 
 def test_pretrained_offline_without_file(spawn, tmp_path):
-    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "cifar10-vit-b32", "--run-id", "cli-pretrained")
+    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "cifar10-vit-b32", "--run-id", "cli-pretrained",
+                                     "--validate-every", "0")  # no CIFAR-10 here to validate on
     peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses)
-    _assert_clean_error(peer, peer.wait(timeout=90), r"cannot be downloaded .*--pretrained-weights FILE")
+    assert_clean_error(peer, peer.wait(timeout=90), r"cannot be downloaded .*--pretrained-weights FILE")
 
 
 def test_coordinator_keeps_identity_and_port(spawn, tmp_path):
@@ -99,5 +92,5 @@ def test_second_coordinator_on_a_busy_port(spawn, tmp_path):
     port = _free_port()
     start_coordinator(spawn, tmp_path, "--preset", "demo", "--port", str(port), name="first")
     second = spawn("second", "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", str(port),
-                   "--identity", str(tmp_path / "second.key"))
-    _assert_clean_error(second, second.wait(timeout=60), r"cannot listen on .*another coordinator")
+                   "--identity", str(tmp_path / "second.key"), "--log-dir", str(tmp_path / "second"))
+    assert_clean_error(second, second.wait(timeout=60), r"cannot listen on .*another coordinator")

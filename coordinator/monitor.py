@@ -1,0 +1,149 @@
+"""The coordinator's watch over the swarm: who is training and how fast (SwarmMonitor), and how good the shared model
+is (Validator, which also keeps the best checkpoint). Both write to the metrics store and TensorBoard; neither ever
+stops on what a peer did or failed to do."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from statistics import mean
+from typing import Callable, Optional
+
+import hivemind
+from torch.utils.data import DataLoader
+
+from hivetrain.checkpoint import CheckpointStore
+from hivetrain.config import RunConfig
+from hivetrain.evaluate import evaluate
+from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, SwarmSnapshot, ValidationRow
+from hivetrain.telemetry import read_peer_records, read_swarm_progress
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmMonitor:
+    def __init__(self, dht: hivemind.DHT, config: RunConfig, writer: MetricsWriter, tensorboard=None,
+                 start_epoch: int = 0):
+        self.dht, self.config, self.writer, self.tensorboard = dht, config, writer, tensorboard
+        self.start_epoch = start_epoch  # a resumed run starts at its checkpoint's epoch
+        self.latest: Optional[SwarmSnapshot] = None
+
+    def refresh(self) -> SwarmSnapshot:
+        """Read every peer's record and hivemind's progress, aggregate, and record both."""
+        now = time.time()
+        records = read_peer_records(self.dht, self.config.run_id)
+        progress = read_swarm_progress(self.dht, self.config.run_id)
+        self.writer.upsert_peers([
+            PeerRow(peer_id=r.peer_id, name=r.name, hardware=r.hardware, client_mode=r.client_mode, epoch=r.epoch,
+                    samples_per_second=r.samples_per_second, loss=r.loss, samples=r.samples,
+                    first_seen=min(r.time, now), last_seen=r.time)
+            for r in records
+        ])
+        # hivemind's records carry each peer's throughput as its optimizer measures it; ours back them up while a
+        # peer has not published progress yet (hivemind waits for its first samples).
+        samples_per_second = progress.samples_per_second or sum(r.samples_per_second for r in records)
+        target = self.config.swarm.target_batch_size
+        remaining = max(0, target - progress.samples_accumulated)
+        losses = [r.loss for r in records if r.loss is not None]
+        snapshot = SwarmSnapshot(
+            time=now,
+            # the run's epoch never goes back, even when every peer has left and their records expired
+            epoch=max([progress.epoch] + [r.epoch for r in records] + [self.latest.epoch if self.latest else self.start_epoch]),
+            alive_peers=len(records),
+            clients=sum(r.client_mode for r in records),
+            samples_per_second=samples_per_second,
+            samples_accumulated=progress.samples_accumulated,
+            target_batch_size=target,
+            eta_seconds=remaining / samples_per_second if samples_per_second > 0 else None,
+            mean_loss=mean(losses) if losses else None,
+        )
+        self.writer.add_snapshot(snapshot)
+        if self.tensorboard is not None:
+            for name in ("alive_peers", "samples_per_second", "mean_loss"):
+                value = getattr(snapshot, name)
+                if value is not None:
+                    self.tensorboard.add_scalar(f"swarm/{name}", value, snapshot.epoch, walltime=now)
+        self.latest = snapshot
+        return snapshot
+
+
+class Validator:
+    """Every `every` swarm epochs: download the newest state, evaluate it, and save a checkpoint on a new best top-1.
+
+    `holder` is the coordinator's StateHolder (anything with load_from_peers(), epoch, has_state, model and
+    checkpoint(metrics)); `swarm_epoch` tells where the swarm is.
+    """
+
+    def __init__(self, holder, loader: DataLoader, writer: MetricsWriter, checkpoints: CheckpointStore,
+                 swarm_epoch: Callable[[], int], every: int = 1, device: str = "cpu", tensorboard=None,
+                 attempts: int = 3, backoff: float = 1.0, report: Callable[[str], None] = print):
+        self.holder, self.loader, self.writer, self.checkpoints = holder, loader, writer, checkpoints
+        self.swarm_epoch, self.every, self.device, self.tensorboard = swarm_epoch, every, device, tensorboard
+        self.attempts, self.backoff, self.report = attempts, backoff, report
+        self.validated: Optional[int] = None  # the epoch of the last validation
+        # A restarted coordinator keeps beating the best it saved before, not merely its first validation.
+        self.best_top1: Optional[float] = max((e.top1 for e in checkpoints.list() if e.top1 is not None), default=None)
+        self._failed_at: Optional[int] = None  # the swarm epoch of the last failed download: wait for a newer one
+
+    def run(self, stop: threading.Event, poll: float = 1.0) -> None:
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # the loop outlives anything one validation does wrong; the traceback says what
+                logger.exception("Validation failed; trying again at the next epoch")
+                self._failed_at = self.swarm_epoch()
+            stop.wait(poll)
+
+    def tick(self) -> Optional[ValidationRow]:
+        """One look at the swarm: download and validate when a state `every` epochs newer than the last exists."""
+        swarm_epoch = self.swarm_epoch()
+        due = self.validated is None or swarm_epoch >= self.validated + self.every
+        if due and swarm_epoch > self.holder.epoch and swarm_epoch != self._failed_at:
+            if not self._load(swarm_epoch):
+                return None
+        if not self.holder.has_state or (self.validated is not None and self.holder.epoch < self.validated + self.every):
+            return None
+        return self.validate()
+
+    def _load(self, swarm_epoch: int) -> bool:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                if self.holder.load_from_peers():
+                    self._failed_at = None
+                    return True
+                problem = "no peer served a newer state"
+            except Exception as e:  # a peer's fault (a dropped stream, garbage) must not end the monitor
+                problem = f"{type(e).__name__}: {e}"
+            if attempt < self.attempts:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+        logger.warning(f"Could not load the swarm's state at epoch {swarm_epoch} after {self.attempts} attempts"
+                       f" ({problem}); trying again at the next epoch")
+        self._failed_at = swarm_epoch
+        return False
+
+    def validate(self) -> ValidationRow:
+        epoch = self.holder.epoch
+        metrics = evaluate(self.holder.model, self.loader, self.device)
+        row = ValidationRow(time=time.time(), epoch=epoch, loss=metrics["loss"], top1=metrics["top1"],
+                            top5=metrics["top5"], samples=metrics["samples"])
+        self.writer.add_validation(row)
+        self.validated = epoch
+        if self.tensorboard is not None:
+            for name in ("loss", "top1", "top5"):
+                self.tensorboard.add_scalar(f"val/{name}", getattr(row, name), epoch, walltime=row.time)
+        is_best = self.best_top1 is None or row.top1 > self.best_top1
+        self.report(f"validation at swarm epoch {epoch}: top-1 {row.top1:.4f}, top-5 {row.top5:.4f},"
+                    f" loss {row.loss:.4f}{' (best so far)' if is_best else ''}")
+        if is_best:
+            self.best_top1 = row.top1
+            self._save_best(row)
+        return row
+
+    def _save_best(self, row: ValidationRow) -> None:
+        metrics = dict(epoch=row.epoch, top1=row.top1, top5=row.top5, loss=row.loss, samples=row.samples, time=row.time)
+        uri = self.checkpoints.save(self.holder.checkpoint(metrics), best=True)
+        size = next((entry.size for entry in self.checkpoints.list() if entry.uri == uri), 0)
+        self.writer.add_checkpoint(CheckpointRow(time=time.time(), epoch=row.epoch, uri=uri, size_bytes=size,
+                                                 top1=row.top1, best=True))
+        self.report(f"best checkpoint: {uri}")

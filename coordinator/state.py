@@ -1,0 +1,99 @@
+"""The coordinator's own copy of the run's state (parameters, optimizer statistics, epoch), held as an auxiliary
+hivemind peer.
+
+It never trains and never joins averaging rounds: it downloads the newest state from the volunteers when asked, and
+serves what it holds to joiners. So the state survives when every volunteer has left, and `--resume` starts a run
+from a checkpoint by serving it. It offers its state only once it holds a real one (downloaded or resumed): a first
+volunteer must not download the coordinator's untrained weights in place of its pretrained ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import hivemind
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from hivetrain.checkpoint import Checkpoint
+from hivetrain.config import RunConfig
+from hivetrain.model import create_model
+from hivetrain.module import make_optimizer
+from hivetrain.strategy import COMPRESSION
+
+logger = logging.getLogger(__name__)
+
+
+class StateHolder:
+    def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
+                 device: torch.device = torch.device("cpu"), load_timeout: float = 60.0):
+        self.config, self.load_timeout = config, load_timeout
+        # The architecture only: the state comes from the swarm or the checkpoint.
+        self.model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(device)
+        if resume is not None:
+            self.model.load_state_dict(resume.weights)
+        # The same parameter groups, optimizer and schedule as every peer (hivetrain.module), so the state's tensors
+        # line up one to one with theirs.
+        optimizer, scheduler = make_optimizer(self.model, config.optim)
+        param_groups = [dict(group) for group in optimizer.param_groups]
+        optimizer_class, lr_lambdas = type(optimizer), scheduler.lr_lambdas
+        self.averager = TrainingStateAverager(
+            dht=dht,
+            prefix=f"{config.run_id}_state_averager",  # the key hivemind.Optimizer's state averager uses
+            optimizer=lambda params: optimizer_class(params),
+            params=param_groups,
+            scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambdas),
+            offload_optimizer=True,
+            custom_gradients=True,
+            state_compression=COMPRESSION[config.swarm.state_compression](),
+            allow_state_sharing=False,
+            start=True,
+        )
+        if resume is not None:
+            self._restore(resume)
+
+    @property
+    def epoch(self) -> int:
+        return self.averager.local_epoch
+
+    @property
+    def has_state(self) -> bool:
+        return self.averager.allow_state_sharing
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        inner = self.averager.optimizer
+        with torch.no_grad():
+            # hivemind initialised the optimizer with a zero-gradient step (weight decay applied once): put the
+            # checkpoint's parameters back in its offloaded copy, then its statistics.
+            offloaded = [param for group in inner.param_groups for param in group["params"]]
+            for param, main in zip(offloaded, self.averager.main_parameters):
+                param.copy_(main)
+        if checkpoint.optimizer is not None:
+            inner.load_state_dict(checkpoint.optimizer)
+        self._offer(checkpoint.epoch)
+
+    def _offer(self, epoch: int) -> None:
+        self.averager.local_epoch = epoch
+        self.averager._update_scheduler()  # hivemind's own catch-up of the LR schedule to the epoch
+        self.averager.state_sharing_priority = epoch  # peers at newer epochs are asked first
+        self.averager.allow_state_sharing = True
+
+    def load_from_peers(self) -> bool:
+        """Download the newest state another peer serves; True when it is from a newer epoch than the one held (an
+        epoch-0 state is untrained: not worth holding). hivemind logs and swallows most failures itself (then nothing
+        changes); what it raises, the caller sees."""
+        before = self.epoch
+        self.averager.load_state_from_peers(timeout=self.load_timeout)
+        if self.epoch > before:
+            self._offer(self.epoch)
+            return True
+        return False
+
+    def checkpoint(self, metrics: dict) -> Checkpoint:
+        return Checkpoint.from_model(self.model, self.config, self.epoch, metrics, self.averager.optimizer,
+                                     self.averager.scheduler)
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()

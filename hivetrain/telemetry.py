@@ -1,0 +1,133 @@
+"""What peers tell the swarm about themselves, and how anyone reads it back.
+
+Each peer stores one record under the run's metrics key `{run_id}_metrics`, in a subkey that is its public key: the
+record is signed, so no peer can overwrite another's, and it expires unless the peer refreshes it. hivemind's own
+progress records (`{run_id}_progress`) are read beside them. Every record is schema-checked on read; a malformed one
+is skipped with a warning and never stops the reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint
+
+logger = logging.getLogger(__name__)
+
+PEER_RECORD_TTL = 30.0  # seconds a record lives: a peer that stops refreshing leaves the live view this fast
+PUBLISH_EVERY = 5.0  # seconds between a peer's records
+READ_TIMEOUT = 10.0  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
+
+
+class PeerRecord(BaseModel):
+    peer_id: StrictStr  # base58
+    name: StrictStr
+    hardware: StrictStr  # "NVIDIA A100 (40 GiB)" or "Intel Xeon ... (2 cores), 24 GiB"
+    client_mode: StrictBool
+    epoch: conint(ge=0, strict=True)  # swarm epoch the peer is at
+    samples_per_second: confloat(ge=0.0, strict=True)  # local compute throughput
+    loss: Optional[StrictFloat]  # mean training loss since the last record; None before the first step or when NaN
+    samples: conint(ge=0, strict=True)  # samples contributed since the peer joined
+    time: StrictFloat  # unix time of the record
+
+
+class _MetricsSchema(BaseModel):
+    metrics: dict[BytesWithPublicKey, Optional[PeerRecord]]
+
+
+@dataclass
+class ProgressSummary:
+    """hivemind's view of the swarm, from its progress records."""
+    epoch: int  # the newest epoch any peer reports
+    peers: int  # peers with a live progress record (clients included)
+    samples_accumulated: int  # toward the next epoch, summed over the peers at `epoch`
+    samples_per_second: float  # summed over all peers
+
+
+def metrics_key(run_id: str) -> str:
+    return f"{run_id}_metrics"
+
+
+def _add_validators(dht: hivemind.DHT, run_id: str) -> None:
+    # The signature validator signs what this process stores and strips signatures from what it reads (hivemind keeps
+    # the first one a DHT gets: a process signs all its records with one key). Schemas merge by key.
+    dht.add_validators([SchemaValidator(_MetricsSchema, allow_extra_keys=True, prefix=run_id), RSASignatureValidator()])
+
+
+def publish_peer_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl: float = PEER_RECORD_TTL,
+                        wait: bool = False) -> None:
+    """Store this peer's record; in the background unless `wait` (a peer leaving makes sure its last one lands)."""
+    _add_validators(dht, run_id)
+    future = dht.store(metrics_key(run_id), subkey=RSASignatureValidator().local_public_key, value=record.dict(),
+                       expiration_time=get_dht_time() + ttl, return_future=True)
+    if wait:
+        try:
+            future.result(timeout=READ_TIMEOUT)
+        except TimeoutError:
+            logger.warning("Could not store this peer's last metrics record in time")
+
+
+def _get(dht: hivemind.DHT, key: str) -> dict:
+    try:
+        found = dht.get(key, latest=True, return_future=True).result(timeout=READ_TIMEOUT)
+    except TimeoutError:
+        logger.warning(f"Reading {key} from the DHT timed out")
+        return {}
+    return found.value if found is not None and isinstance(found.value, dict) else {}
+
+
+def read_peer_records(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
+    _add_validators(dht, run_id)
+    records = []
+    for entry in _get(dht, metrics_key(run_id)).values():
+        value = getattr(entry, "value", None)
+        if value is None:  # a peer that left cleared its record
+            continue
+        try:
+            records.append(PeerRecord.parse_obj(value))
+        except Exception as e:  # anything a peer wrote must not stop the reader
+            logger.warning(f"Skipping a malformed metrics record: {' '.join(str(e).split())}")
+    return records
+
+
+def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
+    records = []
+    for entry in _get(dht, f"{run_id}_progress").values():
+        value = getattr(entry, "value", None)
+        if value is None:
+            continue
+        try:
+            records.append(LocalTrainingProgress.parse_obj(value))
+        except Exception as e:
+            logger.warning(f"Skipping a malformed progress record: {' '.join(str(e).split())}")
+    epoch = max((r.epoch for r in records), default=0)
+    return ProgressSummary(
+        epoch=epoch,
+        peers=len(records),
+        samples_accumulated=sum(r.samples_accumulated for r in records if r.epoch == epoch),
+        samples_per_second=sum(r.samples_per_second for r in records),
+    )
+
+
+def finite_or_none(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def describe_hardware(device: str) -> str:
+    """What a peer trains on, for the peers table: the GPU when it uses one, else the CPU; and the memory."""
+    import psutil
+    import torch
+
+    from hivetrain.records import cpu_name
+
+    if device == "cuda" and torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return f"{properties.name} ({properties.total_memory / 2**30:.0f} GiB)"
+    return f"{cpu_name()}, {psutil.virtual_memory().total / 2**30:.0f} GiB"
