@@ -5,10 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test install install-dev
+.PHONY: demo test dashboard install install-dev
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
+
+dashboard: $(VENV)/.installed
+	$(PY) -m dashboard.launch $(if $(STORE),--store $(STORE))
 
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh

@@ -1,5 +1,6 @@
 """The embedded default: a coordinator and two volunteer peers on this machine train the `demo` preset (a tiny ViT on
-scikit-learn's digits), then the shared model is validated and the run is written to logbook/demo.md.
+scikit-learn's digits). The coordinator validates the shared model as it trains and keeps the best checkpoint; the
+run is written to logbook/demo.md from its metrics store.
 
     python scripts/demo.py [--epochs 50]
 """
@@ -11,7 +12,9 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Joined run|Starting at|swarm epoch|Leaving|Saved|Left|error)")
+OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Metrics|Joined run|Starting at|swarm epoch|validation at|"
+                       r"best checkpoint|Leaving|Saved|Left|error)")
 
 
 def _stream(name: str, process: subprocess.Popen, log: Path, lines: list[str]) -> None:
@@ -92,6 +96,26 @@ class PeerSampler(threading.Thread):
         self.join(5)
 
 
+def _free_port(preferred: int) -> int:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", preferred))
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_dashboard(workdir: Path, preferred_port: int) -> subprocess.Popen:
+    """The dashboard on the demo's metrics store; it shows "waiting for the coordinator" until the store exists."""
+    from dashboard.launch import streamlit_command
+
+    port = _free_port(preferred_port)
+    process = subprocess.Popen(streamlit_command(workdir / "metrics.sqlite", "127.0.0.1", port), cwd=ROOT,
+                               stdout=(workdir / "dashboard.log").open("w"), stderr=subprocess.STDOUT)
+    print(f"Dashboard: http://127.0.0.1:{port} (live peers, validation curve, checkpoints)", flush=True)
+    return process
+
+
 def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -106,12 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=50, help="swarm epochs to train (128 samples each)")
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "demo"), help="where logs and weights go")
     parser.add_argument("--logbook", default=str(ROOT / "logbook" / "demo.md"), help="the page written at the end")
+    parser.add_argument("--dashboard-port", type=int, default=8501,
+                        help="where the dashboard serves on 127.0.0.1 (default: %(default)s; a free one when busy)")
     parser.add_argument("--record-dir", default=str(ROOT / "logbook" / "records"),
                         help="where the swarm's run record goes, beside the baselines' ('' for none); the demo's"
                              " baselines page is rebuilt from that folder")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    for previous in ("metrics.sqlite", "metrics.sqlite-wal", "metrics.sqlite-shm", "checkpoints", "tensorboard"):
+        path = workdir / previous  # each demo is a run of its own: its best checkpoint must beat nothing older
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     python = sys.executable
     lines: dict[str, list[str]] = {name: [] for name in ("coordinator", "peer1", "peer2")}
 
@@ -119,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
           f" Full logs: {workdir}/", flush=True)
     coordinator = _start("coordinator", [
         python, "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", "0",
-        "--identity", str(workdir / "coordinator.key"), "--refresh", "15", "--log-dir", str(workdir),
+        "--identity", str(workdir / "coordinator.key"), "--refresh", "2", "--log-dir", str(workdir),
     ], workdir, lines["coordinator"])
     peers: list[subprocess.Popen] = []
+    dashboard = _start_dashboard(workdir, args.dashboard_port)
     try:
         deadline = time.monotonic() + 120
         address = None
@@ -132,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             found = [line for line in lines["coordinator"] if "peers/join.py --initial-peers" in line]
             address = found[0].split("--initial-peers", 1)[1].split() if found else None
             time.sleep(0.2)
-        started = time.monotonic()
+        started, started_unix = time.monotonic(), time.time()
         started_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         for i in (1, 2):
             peers.append(_start(f"peer{i}", [
@@ -145,16 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         codes = [peer.wait() for peer in peers]
         wall_time = time.monotonic() - started
         sampler.stop()
+        time.sleep(5)  # one more look of the monitor (every 2 s) records the peers' last records
     except KeyboardInterrupt:
         print("Stopping the demo.", flush=True)
         return 130
     finally:
-        for process in [*peers, coordinator]:
+        for process in [*peers, coordinator, dashboard]:
             _stop(process)
     if any(codes):
         print(f"error: a peer failed (exit codes {codes}); see {workdir}/peer*.log", file=sys.stderr)
         return 1
-    result = _measure(workdir, args.epochs, wall_time, lines)
+    result = _measure(workdir, args.epochs, wall_time, lines, started_unix)
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
     if args.record_dir:
@@ -166,20 +197,21 @@ def main(argv: list[str] | None = None) -> int:
         pages = build([Path(args.record_dir)], Path(args.logbook).parent, "demo",
                       f"python -m hivetrain.logbook build --records {records} --out {out}")
         print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
-    print(f"\nValidation on {result['val_samples']} held-out digits: top-1 {result['top1']:.1%}, top-5"
-          f" {result['top5']:.1%}, loss {result['loss']:.3f}; {result['swarm_epochs']} swarm epochs in"
+    best = result["best"]
+    print(f"\nBest validation on {best['samples']} held-out digits: top-1 {best['top1']:.1%}, top-5"
+          f" {best['top5']:.1%}, loss {best['loss']:.3f} at swarm epoch {best['epoch']} (checkpoint"
+          f" {result['best_checkpoint']}); {result['swarm_epochs']} swarm epochs in"
           f" {result['wall_time_s']:.0f} s ({result['samples_per_s']:.0f} samples/s); the two peers' weights differ by"
           f" at most {result['max_weight_difference']:.2e}.\nWritten to {args.logbook} and {workdir}/result.json",
           flush=True)
     return 0
 
 
-def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list[str]]) -> dict:
+def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list[str]], started_unix: float) -> dict:
     import torch
 
     from hivetrain.config import get_preset
-    from hivetrain.data import make_datamodule
-    from hivetrain.evaluate import evaluate
+    from hivetrain.metrics_store import MetricsReader
     from hivetrain.model import create_model, load_weights
 
     config = get_preset("demo")
@@ -189,8 +221,14 @@ def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list
         epochs_reached.append(int(load_weights(workdir / f"peer{i}.safetensors", model)["epoch"]))
         models.append(model)
     difference = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
-    datamodule = make_datamodule(config, batch_size=256)
-    metrics = evaluate(models[0], datamodule.val_dataloader())
+    with MetricsReader(workdir / "metrics.sqlite") as store:
+        validations = [dict(epoch=v.epoch, time_s=round(v.time - started_unix, 1), top1=v.top1, top5=v.top5,
+                            loss=v.loss, samples=v.samples) for v in store.validations()]
+        best = next((c for c in store.checkpoints() if c.best), None)
+        contributions = {p.name: p.samples for p in store.peers()}
+    if not validations or best is None:
+        raise RuntimeError(f"the coordinator recorded no validation; see {workdir}/coordinator.log")
+    best_validation = max(validations, key=lambda v: v["top1"])  # the first of the best, as the store picks it
     swarm_epochs = min(epochs_reached)
     losses = [float(m.group(1)) for line in lines["peer1"] if (m := re.search(r"loss ([0-9.]+)", line))]
     return dict(
@@ -202,8 +240,8 @@ def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list
         swarm_epochs=swarm_epochs, wall_time_s=round(wall_time, 1),
         samples_per_s=round(swarm_epochs * config.swarm.target_batch_size / wall_time, 1),
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
-        val_samples=metrics["samples"], top1=metrics["top1"], top5=metrics["top5"], loss=metrics["loss"],
-        max_weight_difference=difference, torch_threads=torch.get_num_threads(),
+        validations=validations, best=best_validation, best_checkpoint=_shown(Path(best.uri)),
+        contributions=contributions, max_weight_difference=difference, torch_threads=torch.get_num_threads(),
     )
 
 
@@ -231,13 +269,14 @@ def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler
         accumulate=r["target_batch_size"] // (r["batch_size"] * r["peers"]), global_batch_size=r["target_batch_size"],
         epochs=passes, steps=r["swarm_epochs"], train_samples=samples, wall_time_s=r["wall_time_s"],
         train_time_s=r["wall_time_s"], samples_per_s=r["samples_per_s"],
-        # the peers do not validate; the shared model is validated once, at the end
-        validation=[ValidationPoint(epoch=passes, step=r["swarm_epochs"], time_s=r["wall_time_s"],
-                                    loss=round(r["loss"], 6), top1=round(r["top1"], 6), top5=round(r["top5"], 6))],
+        # the coordinator validates the shared model as the swarm trains (its metrics store)
+        validation=[ValidationPoint(epoch=v["epoch"] * r["target_batch_size"] // 1437, step=v["epoch"],
+                                    time_s=v["time_s"], loss=round(v["loss"], 6), top1=round(v["top1"], 6),
+                                    top5=round(v["top5"], 6)) for v in r["validations"]],
         memory=[RankMemory(rank=rank, host=os.uname().nodename, peak_rss_bytes=peak)
                 for rank, peak in enumerate(sampler.peak_rss)],
-        utilisation=sampler.samples, best_checkpoint=_shown(workdir / "peer1.safetensors"),
-        best_top1=round(r["top1"], 6), cpu_count=os.cpu_count(),
+        utilisation=sampler.samples, best_checkpoint=r["best_checkpoint"],
+        best_top1=round(r["best"]["top1"], 6), cpu_count=os.cpu_count(),
         notes="peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
     ), record_dir)
 
@@ -249,6 +288,10 @@ def _versions() -> str:
 
 
 def _write_logbook(path: Path, r: dict) -> None:
+    best, last = r["best"], r["validations"][-1]
+    curve = "\n".join(f"| {v['epoch']} | {v['time_s']:.0f} s | {v['top1']:.2%} | {v['top5']:.2%} | {v['loss']:.4f} |"
+                      for v in r["validations"])
+    contributions = "\n".join(f"| {name} | {samples} |" for name, samples in r["contributions"].items())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""# Demo: a local swarm on digits
 
@@ -264,11 +307,25 @@ scikit-learn's 8x8 digits). CPU run on a small preset; {r['machine']}; {r['versi
 | wall time, first peer start to last peer exit | {r['wall_time_s']:.1f} s |
 | swarm throughput | {r['samples_per_s']:.1f} samples/s |
 | training loss, first → last swarm epoch (peer1) | {r['first_loss']:.3f} → {r['last_loss']:.3f} |
-| validation top-1 / top-5 ({r['val_samples']} held-out digits) | {r['top1']:.2%} / {r['top5']:.2%} |
-| validation loss | {r['loss']:.4f} |
+| best validation top-1 / top-5 ({best['samples']} held-out digits) | {best['top1']:.2%} / {best['top5']:.2%} at swarm epoch {best['epoch']} |
+| last validation top-1 / loss | {last['top1']:.2%} / {last['loss']:.4f} at swarm epoch {last['epoch']} |
+| best checkpoint | `{r['best_checkpoint']}` |
 | largest difference between the two peers' final weights | {r['max_weight_difference']:.2e} |
 
-Raw numbers: `runs/demo/result.json` after a run; full logs in `runs/demo/`.
+## Validation of the shared model, by the coordinator
+
+| swarm epoch | time since start | top-1 | top-5 | loss |
+|---|---|---|---|---|
+{curve}
+
+## Samples contributed
+
+| peer | samples |
+|---|---|
+{contributions}
+
+Raw numbers: `runs/demo/result.json` and the metrics store `runs/demo/metrics.sqlite` after a run; full logs in
+`runs/demo/`.
 """)
 
 

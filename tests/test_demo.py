@@ -11,21 +11,29 @@ from hivetrain.records import read_record
 def test_demo_writes_its_numbers_and_a_swarm_record(tmp_path):
     page, records = tmp_path / "logbook" / "demo.md", tmp_path / "logbook" / "records"
     done = subprocess.run(
-        [sys.executable, "scripts/demo.py", "--epochs", "4", "--workdir", str(tmp_path / "run"), "--logbook", str(page),
+        [sys.executable, "scripts/demo.py", "--epochs", "20", "--workdir", str(tmp_path / "run"), "--logbook", str(page),
          "--record-dir", str(records)],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stdout
+    assert "Dashboard: http://127.0.0.1:" in done.stdout
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["swarm_epochs"] >= 4 and result["val_samples"] == 360
+    assert result["swarm_epochs"] >= 20
+    # The coordinator validated the shared model while the swarm trained; its best is the checkpoint it kept.
+    validations, best = result["validations"], result["best"]
+    assert validations and all(v["samples"] == 360 for v in validations)
+    assert best["top1"] == max(v["top1"] for v in validations)
+    assert (tmp_path / "run" / "checkpoints" / f"ckpt-{best['epoch']:06d}.tar").is_file()
+    assert set(result["contributions"]) == {"peer1", "peer2"}
     text = page.read_text()
     assert f"| swarm epochs (optimizer steps) | {result['swarm_epochs']} |" in text
-    assert f"{result['top1']:.2%}" in text
+    assert f"{best['top1']:.2%} / {best['top5']:.2%} at swarm epoch {best['epoch']}" in text
     (path,) = records.glob("*.json")
     record = read_record(path)
     assert record.strategy == "swarm" and record.world_size == 2 and record.steps == result["swarm_epochs"]
-    assert record.validation[-1].top1 == round(result["top1"], 6)
+    assert [v.step for v in record.validation] == [v["epoch"] for v in validations]
+    assert record.best_top1 == round(best["top1"], 6)
     assert len(record.memory) == 2 and all(m.peak_rss_bytes > 50 * 2**20 for m in record.memory)
     assert {s.rank for s in record.utilisation} == {0, 1}
     baselines_page = (tmp_path / "logbook" / "demo-baselines.md").read_text()

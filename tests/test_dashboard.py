@@ -1,0 +1,211 @@
+"""The dashboard against fixture metrics stores, through Streamlit's AppTest, and its pure helpers directly."""
+
+import importlib.util
+import re
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from hivetrain.config import get_preset
+from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RunInfo, SwarmSnapshot, ValidationRow
+from hivetrain.records import read_record
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = ROOT / "dashboard" / "app.py"
+CHART = "vega_lite_chart"  # what AppTest calls an st.altair_chart in this Streamlit version
+
+# The app is a script, not on sys.path: load it as a module for its helpers (main() runs only as __main__).
+_spec = importlib.util.spec_from_file_location("dashboard_app", APP)
+app = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(app)
+
+
+def run_app(monkeypatch, store: Path, records: Path) -> AppTest:
+    monkeypatch.setattr("sys.argv", ["app.py", "--store", str(store), "--records", str(records)])
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def write_run(path: Path, peers: list[PeerRow], top1s: list[float], checkpoints: list[CheckpointRow] = ()) -> None:
+    """A demo-preset run: the given peers, five snapshots (epochs 0..4) and one validation per top-1 (epochs 1..)."""
+    now = time.time()
+    config = get_preset("demo")
+    with MetricsWriter(path) as writer:
+        writer.set_run(RunInfo("hivetrain-demo", "demo", config.fingerprint, config.to_json(),
+                               "python peers/join.py --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm", "QmCoordinator",
+                               now - 600))
+        writer.upsert_peers(peers)
+        for epoch in range(5):
+            writer.add_snapshot(SwarmSnapshot(now - 50 + 10 * epoch, epoch, 2, 1, 100.0 + 10 * epoch, 64, 128, 12.0,
+                                              2.0 - 0.3 * epoch))
+        for epoch, top1 in enumerate(top1s, 1):
+            writer.add_validation(ValidationRow(now - 60 + 10 * epoch, epoch, 1.0 / epoch, top1, top1 + 0.02, 360))
+        for checkpoint in checkpoints:
+            writer.add_checkpoint(checkpoint)
+
+
+def peer(name: str, samples: int, last_seen_ago: float, client: bool = False) -> PeerRow:
+    now = time.time()
+    return PeerRow(f"Qm{name}PeerIdentity", name, "cpu: 2 cores", client, 4, 40.0, 0.8, samples, now - 900,
+                   now - last_seen_ago)
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+# --- empty stores -----------------------------------------------------------------------------------------------
+
+
+def test_missing_store_waits_for_the_coordinator(monkeypatch, tmp_path):
+    at = run_app(monkeypatch, tmp_path / "nothing.sqlite", tmp_path)
+    assert any("Waiting for the coordinator" in i.value for i in at.info)
+    assert not at.metric
+
+
+def test_store_without_a_run_counts_as_empty(monkeypatch, tmp_path):
+    MetricsWriter(tmp_path / "metrics.sqlite").close()  # schema only: a coordinator still starting
+    at = run_app(monkeypatch, tmp_path / "metrics.sqlite", tmp_path)
+    assert any("Waiting for the coordinator" in i.value for i in at.info)
+
+
+def test_other_store_errors_are_shown(monkeypatch, tmp_path):
+    (tmp_path / "metrics.sqlite").write_text("not a database, but long enough to look like one " * 50)
+    at = run_app(monkeypatch, tmp_path / "metrics.sqlite", tmp_path)
+    assert at.error and "metrics.sqlite" in at.error[0].value
+
+
+def test_store_of_another_schema_version_is_an_error(monkeypatch, tmp_path):
+    MetricsWriter(tmp_path / "metrics.sqlite").close()
+    db = sqlite3.connect(tmp_path / "metrics.sqlite", isolation_level=None)  # autocommit
+    db.execute("UPDATE meta SET value = 99 WHERE key = 'schema_version'")
+    db.close()
+    at = run_app(monkeypatch, tmp_path / "metrics.sqlite", tmp_path)
+    assert at.error and "schema version 99" in at.error[0].value
+
+
+# --- a running swarm --------------------------------------------------------------------------------------------
+
+
+def test_running_swarm(monkeypatch, tmp_path):
+    store = tmp_path / "metrics.sqlite"
+    peers = [peer("alpha", 900, 3), peer("bravo", 1500, 4, client=True), peer("charlie", 300, 60)]
+    write_run(store, peers, [0.5, 0.7, 0.9, 0.85])
+    at = run_app(monkeypatch, store, tmp_path)
+
+    assert [h.value for h in at.header] + [s.value for s in at.subheader] == [
+        "Swarm overview", "Peers", "Contributions", "Training", "Validation", "Checkpoints", "Baselines"]
+    assert metric(at, "Swarm epoch") == "4"
+    assert metric(at, "Alive peers") == "2"
+    assert metric(at, "Clients") == "1"
+    assert metric(at, "Best top-1") == app.fmt_pct(0.9) == "90.00%"
+    assert any(re.search(r'title="[-\d: ]+ UTC">last updated 1\d s ago', c.value) for c in at.caption)
+    assert at.code[0].value.startswith("python peers/join.py")
+
+    table = at.dataframe[0].value
+    assert list(table.columns) == app.PEER_COLUMNS
+    assert sorted(table["state"]) == ["online", "online", "stale"]
+    assert dict(zip(table["name"], table["contributed"])) == {"alpha": 900, "bravo": 1500, "charlie": 300}
+    assert dict(zip(table["name"], table["client mode"])) == {"alpha": "no", "bravo": "yes", "charlie": "no"}
+    assert set(table["peer"]) == {"QmalphaP…", "QmbravoP…", "Qmcharli…"}
+
+    board = at.dataframe[1].value
+    assert list(board["name"]) == ["bravo", "alpha", "charlie"]
+    assert list(board["rank"]) == [1, 2, 3]
+    assert list(board["share %"]) == [55.6, 33.3, 11.1]
+
+    charts = at.get(CHART)
+    assert len(charts) == 1 + 3 + 2  # contributions, training, validation accuracy and loss
+    assert '"shape": "diamond"' in charts[4].proto.spec  # the best point marked on the accuracy chart
+    assert any("swarm epoch **3**" in m.value for m in at.markdown)
+    assert any("No checkpoint yet" in c.value for c in at.caption)
+
+
+def test_validation_against_wall_time(monkeypatch, tmp_path):
+    store = tmp_path / "metrics.sqlite"
+    write_run(store, [peer("alpha", 900, 3)], [0.5, 0.7])
+    at = run_app(monkeypatch, store, tmp_path)
+    at.radio[0].set_value("wall time").run()
+    assert not at.exception
+    assert at.radio[0].value == "wall time"
+    assert '"type": "temporal"' in at.get(CHART)[4].proto.spec
+
+
+# --- a finished run ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def finished(tmp_path):
+    now = time.time()
+    store = tmp_path / "metrics.sqlite"
+    local = str(tmp_path / "checkpoints" / "ckpt-000002.tar")
+    write_run(store, [peer("alpha", 900, 300), peer("bravo", 1500, 3600)], [0.5, 0.7, 0.9, 0.95], [
+        CheckpointRow(now - 400, 2, local, 6_000_000, 0.7, True),
+        CheckpointRow(now - 200, 4, "s3://bucket/run/ckpt-000004.tar", 6_000_000, 0.95, True),
+    ])
+    return store
+
+
+def test_finished_run_with_checkpoints(monkeypatch, tmp_path, finished):
+    at = run_app(monkeypatch, finished, tmp_path / "no-records")
+    assert set(at.dataframe[0].value["state"]) == {"gone"}
+
+    checkpoints = at.dataframe[2].value
+    assert list(checkpoints.columns) == ["epoch", "uri", "size", "top-1", "time", "best"]
+    assert list(checkpoints["uri"]) == [str(tmp_path / "checkpoints" / "ckpt-000002.tar"),
+                                        "s3://bucket/run/ckpt-000004.tar"]
+    assert list(checkpoints["best"]) == ["", "★"]
+    assert list(checkpoints["size"]) == ["5.7 MiB", "5.7 MiB"]
+    assert list(checkpoints["time"]) == ["6 min ago", "3 min ago"]
+
+    assert any("No baseline runs recorded for preset demo" in i.value and "baselines/run.py" in i.value
+               for i in at.info)
+
+
+def test_baselines_compare_records_of_the_same_preset(monkeypatch, tmp_path, finished):
+    records = tmp_path / "records"
+    records.mkdir()
+    for pattern in ("demo-ddp-*.json", "demo-fsdp-*.json"):
+        shutil.copy(next((ROOT / "logbook" / "records").glob(pattern)), records)
+    (records / "broken.json").write_text("{")
+    at = run_app(monkeypatch, finished, records)
+
+    assert any("broken.json" in w.value for w in at.warning)
+    table = at.dataframe[3].value
+    assert list(table.columns) == ["run", "strategy", "world size", "global batch", "samples/s", "best top-1",
+                                   "wall time", "peak memory"]
+    speeds = dict(zip(table["strategy"], table["samples/s"]))
+    ddp, fsdp = (read_record(next(records.glob(f"demo-{s}-*.json"))) for s in ("ddp", "fsdp"))
+    assert speeds == {"ddp": round(ddp.samples_per_s, 1), "fsdp": round(fsdp.samples_per_s, 1),
+                      "swarm (this run)": 120.0}  # the mean of the snapshots' 100..140
+    swarm = table[table["strategy"] == "swarm (this run)"].iloc[0]
+    assert (swarm["world size"], swarm["best top-1"]) == (2, "95.00%")
+
+
+# --- pure helpers -----------------------------------------------------------------------------------------------
+
+
+def test_ago():
+    assert [app.ago(s) for s in (-2, 0, 3.7, 59, 60, 299, 3599, 3600, 7300, 86400 * 2)] == [
+        "0 s ago", "0 s ago", "3 s ago", "59 s ago", "1 min ago", "4 min ago", "59 min ago", "1 h ago", "2 h ago",
+        "2 d ago"]
+
+
+def test_peer_state_boundaries():
+    now = 1_000_000.0
+    assert [app.peer_state(now - age, now) for age in (0, 30, 30.5, 120, 120.5, 10_000)] == [
+        "online", "online", "stale", "stale", "gone", "gone"]
+
+
+def test_human_size():
+    assert [app.fmt_bytes(n) for n in (0, 1023, 2048, 6_000_000, 3 * 1024**3)] == [
+        "0 B", "1023 B", "2 KiB", "5.7 MiB", "3.00 GiB"]
+
+
+def test_utc():
+    assert app.utc(0) == "1970-01-01 00:00:00 UTC"

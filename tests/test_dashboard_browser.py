@@ -1,0 +1,78 @@
+"""The dashboard end to end in a real browser: a coordinator, two peers and the dashboard on 127.0.0.1, Debian's
+chromium driven by Playwright, until the page shows both peers and a validation point.
+
+The screenshot goes to the test's folder; set HIVETRAIN_SCREENSHOT=PATH to keep a copy (logbook/demo-dashboard.png
+was made that way)."""
+
+import os
+import shutil
+import time
+import urllib.request
+
+from conftest import start_coordinator
+from s3server import free_ports
+
+CHROMIUM = "/usr/bin/chromium"  # installed by scripts/install-system-test-deps.sh; Playwright downloads no browser
+
+
+def _wait_healthy(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.read() == b"ok":
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the dashboard at {url} did not become healthy in {timeout} s")
+        time.sleep(0.5)
+
+
+def _metric(page, label: str) -> str:
+    """The value a st.metric shows under `label`, as the browser renders it."""
+    return page.evaluate("""label => {
+        for (const metric of document.querySelectorAll('[data-testid="stMetric"]')) {
+            const name = metric.querySelector('[data-testid="stMetricLabel"]');
+            if (name && name.innerText.trim() === label)
+                return metric.querySelector('[data-testid="stMetricValue"]').innerText.trim();
+        }
+        return null;
+    }""", label)
+
+
+def test_dashboard_shows_the_live_swarm_in_a_browser(spawn, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    assert os.access(CHROMIUM, os.X_OK), "chromium is missing: run scripts/install-system-test-deps.sh as root"
+    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo")
+    port = free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    spawn("dashboard", "-m", "dashboard.launch", "--store", str(tmp_path / "coordinator" / "metrics.sqlite"),
+          "--port", str(port), "--refresh", "2", "--records", str(tmp_path / "no-records"))
+    for name in ("alice", "bob"):
+        spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", name,
+              "--threads", "1", "--min-peers", "2", "--stop-at-epoch", "40")
+    _wait_healthy(url, timeout=60)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            page.goto(url)
+            deadline = time.monotonic() + 240
+            while not (_metric(page, "Alive peers") == "2" and page.get_by_text("Best top-1 ").count()):
+                assert time.monotonic() < deadline, page.inner_text("body")[-2000:]
+                page.wait_for_timeout(1000)  # the page refreshes itself every 2 s
+            # Both peers, by name, and the validation curve are on the page.
+            page.wait_for_selector('[data-testid="stVegaLiteChart"]')
+            body = page.inner_text("body")
+            assert "Best top-1" in body and "Validation" in body
+            assert _metric(page, "Best top-1").endswith("%")
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("HIVETRAIN_SCREENSHOT"):
+        shutil.copy(shot, os.environ["HIVETRAIN_SCREENSHOT"])
