@@ -10,13 +10,15 @@ import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
@@ -76,6 +78,9 @@ def check_port_free(host_maddrs: list[str]) -> None:
             continue
         family = socket.AF_INET6 if "ip6" in protocols else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # As the P2P daemon binds (Go sets SO_REUSEADDR): a restart may reuse a port whose old connections linger
+            # in TIME_WAIT, while a live listener still refuses the bind.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as e:
@@ -152,6 +157,41 @@ def start_dht(options: DHTOptions) -> hivemind.DHT:
             ) from None
         raise SwarmError(f"could not start the P2P daemon: {e}") from None
     return dht
+
+
+async def _reconnect(maddrs: list[str], dht: hivemind.DHT, node) -> int:
+    """Inside the DHT's process: ping each initial peer this node is not connected to, so that both add each other to
+    their routing tables again (the P2P daemon keeps the initial peers' addresses and dials them itself). Returns how
+    many came back."""
+    connected = {info.peer_id for info in await node.p2p.list_peers()}
+    reached = 0
+    for maddr in maddrs:
+        peer_id = PeerID.from_base58(Multiaddr(maddr)["p2p"])
+        if peer_id not in connected:
+            reached += await node.protocol.call_ping(peer_id) is not None
+    return reached
+
+
+class StayConnected(threading.Thread):
+    """Dials the initial peers again whenever the connection is lost. A coordinator that restarts (same identity and
+    port) starts a fresh DHT that knows nobody: without this, the peers would train on but it would never see them
+    again. Runs until the DHT shuts down."""
+
+    def __init__(self, dht: hivemind.DHT, initial_peers: list[str], every: float = 10.0):
+        super().__init__(name="stay-connected", daemon=True)
+        self.dht, self.every = dht, every
+        self.initial_peers = [m for m in initial_peers if "/p2p/" in m]
+
+    def run(self) -> None:
+        while self.dht.is_alive():
+            time.sleep(self.every)
+            try:
+                reached = self.dht.run_coroutine(partial(_reconnect, self.initial_peers), return_future=True).result(
+                    timeout=self.every * 3)
+            except Exception:  # the DHT is shutting down, or the dial hung: the next round tries again
+                continue
+            if reached:
+                logger.info(f"Reconnected to {reached} initial peer(s)")
 
 
 def _is_loopback(maddr: Multiaddr) -> bool:

@@ -138,7 +138,7 @@ def _join(args: argparse.Namespace) -> int:
     from hivetrain.data import DatasetUnavailable
     from hivetrain.model import PretrainedWeightsUnavailable
     from hivetrain.swarm import (
-        DHTOptions, SwarmError, fetch_run_config, listen_maddr, resolve_initial_peers, start_dht,
+        DHTOptions, StayConnected, SwarmError, fetch_run_config, listen_maddr, resolve_initial_peers, start_dht,
     )
 
     try:
@@ -162,6 +162,7 @@ def _join(args: argparse.Namespace) -> int:
     dht = None
     try:
         dht = start_dht(network)
+        StayConnected(dht, initial_peers).start()  # a restarted coordinator finds this peer again
         config = fetch_run_config(dht, args.run_id, initial_peers, timeout=args.config_timeout)
         if expected is not None:  # the run's name may differ; everything that shapes training may not
             expected = expected.replace(run_id=config.run_id)

@@ -26,6 +26,7 @@ class Process:
         self.popen = subprocess.Popen(
             [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+            start_new_session=True,  # its own process group: kill() takes its hivemind processes and p2pd with it
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -60,14 +61,23 @@ class Process:
         self._reader.join(10)
         return code
 
+    def kill(self) -> None:
+        """Vanish without a goodbye, as a machine that loses power: SIGKILL to every process it started."""
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
     def stop(self) -> None:
+        """SIGTERM, as a user's Ctrl-C; whatever is left of its process group after 30 s is killed."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(30)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+                pass
+        self.kill()
 
 
 def assert_clean_error(process: Process, code: int, message: str) -> None:
