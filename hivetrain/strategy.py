@@ -171,6 +171,38 @@ def _keep_gradients(*args: Any, **kwargs: Any) -> None:
     pass
 
 
+class SwarmOptimizer(hivemind.Optimizer):
+    """A hivemind.Optimizer that keeps non-finite updates out of the swarm.
+
+    A NaN or Inf loss or gradient (a diverging peer, a bad batch, broken hardware) would be averaged into every peer's
+    parameters. This peer skips such a step instead, drops its gradients and reloads the swarm's state, since its own
+    parameters may be what went wrong. With fp16 the gradient scaler already skips overflowing steps: it is left to it.
+    A step whose closure returns None (Lightning: training_step returned None) counts no samples.
+    """
+
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None, batch_size: Optional[int] = None,
+             grad_scaler: Optional[hivemind.GradScaler] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            if loss is None:
+                return None
+        if grad_scaler is None and not self._finite(loss):
+            logger.warning("Non-finite loss or gradients: skipping this step and reloading the swarm's state")
+            self.zero_grad(set_to_none=True)
+            self.load_state_from_peers()
+            return loss
+        super().step(batch_size=batch_size, grad_scaler=grad_scaler)
+        return loss
+
+    def _finite(self, loss: Optional[torch.Tensor]) -> bool:
+        if loss is not None and not torch.isfinite(loss).all():
+            return False
+        gradients = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        return all(torch.isfinite(g).all() for g in gradients)
+
+
 def wrap_optimizer(
     options: HivemindOptions,
     dht: hivemind.DHT,
@@ -198,7 +230,7 @@ def wrap_optimizer(
         return torch.optim.lr_scheduler.LambdaLR(inner, lr_lambdas)
 
     initial_parameters = [param.detach().clone() for group in param_groups for param in group["params"]]
-    swarm_optimizer = hivemind.Optimizer(
+    swarm_optimizer = SwarmOptimizer(
         dht=dht,
         run_id=options.run_id,
         target_batch_size=options.target_batch_size,

@@ -82,3 +82,50 @@ def test_swarm_step_equals_local_step_on_union_batch():
             opt.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_non_finite_gradients_never_reach_the_swarm():
+    """A peer whose loss turns NaN skips the step, counts no samples, and reloads the swarm's state."""
+    config = get_preset("demo")
+    b = 16
+    options = HivemindOptions(run_id="test_nan", target_batch_size=2 * b, batch_size=b, matchmaking_time=1.0,
+                              averaging_timeout=5.0)
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    optimizers = []
+    try:
+        models = [create_model(config.model, seed=config.seed) for _ in range(2)]
+        for model, dht in zip(models, (first, second)):
+            torch_optimizer, torch_scheduler = make_optimizer(model, config.optim)
+            optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
+        healthy, sick = optimizers
+
+        def closure(model, seed, poison=1.0):
+            def run():
+                x, y = _batch(seed, b, config)
+                loss = F.cross_entropy(model(x), y) * poison
+                loss.backward()
+                return loss
+            return run
+
+        # The healthy peer trains alone for a while, so the swarm's state differs from any fresh model.
+        for seed in range(6):
+            healthy.zero_grad()
+            healthy.step(closure(models[0], seed))
+        assert healthy.local_epoch >= 2
+        sick.load_state_from_peers()
+        sick.zero_grad()
+        with torch.no_grad():  # the sick peer's own parameters went bad too
+            next(models[1].parameters()).fill_(float("nan"))
+        loss = sick.step(closure(models[1], 100, poison=float("nan")))
+        assert not torch.isfinite(loss)
+        assert sick.tracker.local_progress.samples_accumulated == 0  # nothing was counted toward the swarm's batch
+        for mine, theirs in zip(models[1].parameters(), models[0].parameters()):
+            assert torch.isfinite(mine).all() and torch.equal(mine, theirs)  # the swarm's state, reloaded
+        assert sick.local_epoch == healthy.local_epoch
+    finally:
+        for opt in optimizers:
+            opt.shutdown()
+        second.shutdown()
+        first.shutdown()
