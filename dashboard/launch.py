@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,10 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"Dashboard: http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
     command = streamlit_command(args.store, args.host, args.port, args.records, args.refresh)
-    try:
-        return subprocess.run(command, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
-    except KeyboardInterrupt:
-        return 0
+    # Become Streamlit (no child process): Ctrl-C and SIGTERM reach it directly and nothing is left behind.
+    os.execv(command[0], command)
 
 
 if __name__ == "__main__":
