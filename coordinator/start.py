@@ -15,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 DEFAULT_PORT = 31337
@@ -86,16 +87,9 @@ def status_line(snapshot) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
-    from hivetrain.swarm import leave_on_sigterm
+    from hivetrain.swarm import run_role
 
-    leave_on_sigterm()
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        print("Coordinator stopped.", flush=True)
-        return 0
+    return run_role(partial(_run, args), farewell="Coordinator stopped.")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -104,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from hivetrain.checkpoint import CheckpointError, load_checkpoint, open_store
     from hivetrain.config import get_preset
+    from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, start_dht
@@ -127,9 +122,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"Resuming from {args.resume}: swarm epoch {resume.epoch}", flush=True)
         if args.threads:
             torch.set_num_threads(args.threads)
-        device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
+        device = choose_device(args.device)
         log_dir = Path(args.log_dir or Path("runs") / config.run_id)
         writer = MetricsWriter(args.store or log_dir / "metrics.sqlite")
         resources.append(writer)
@@ -178,7 +171,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from coordinator.monitor import SwarmMonitor, Validator
     from coordinator.state import StateHolder
     from hivetrain.metrics_store import RunInfo
-    from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, visible_addresses
+    from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, raise_if_leaving, visible_addresses
 
     addresses, loopback_only = visible_addresses(dht)
     command = join_command(addresses)
@@ -217,6 +210,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                     validation.start()  # after the first look: it needs to know where the swarm is
                 next_refresh = now + args.refresh
             time.sleep(0.2)
+            raise_if_leaving()
     finally:
         stop.set()
         if validation is not None and validation.is_alive():

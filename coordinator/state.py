@@ -21,7 +21,7 @@ from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
-from hivetrain.strategy import COMPRESSION
+from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,17 @@ class StateHolder:
             self.model.load_state_dict(resume.weights)
         # The same parameter groups, optimizer and schedule as every peer (hivetrain.module), so the state's tensors
         # line up one to one with theirs.
-        optimizer, scheduler = make_optimizer(self.model, config.optim)
-        param_groups = [dict(group) for group in optimizer.param_groups]
-        optimizer_class, lr_lambdas = type(optimizer), scheduler.lr_lambdas
+        param_groups, make_inner, make_scheduler = optimizer_recipe(*make_optimizer(self.model, config.optim))
         self.averager = TrainingStateAverager(
             dht=dht,
             prefix=f"{config.run_id}_state_averager",  # the key hivemind.Optimizer's state averager uses
-            optimizer=lambda params: optimizer_class(params),
+            optimizer=make_inner,
             params=param_groups,
-            scheduler=lambda inner: torch.optim.lr_scheduler.LambdaLR(inner, lr_lambdas),
+            scheduler=make_scheduler,
             offload_optimizer=True,
             custom_gradients=True,
             state_compression=COMPRESSION[config.swarm.state_compression](),
+            next_chunk_timeout=config.swarm.next_chunk_timeout,
             allow_state_sharing=False,
             start=True,
         )
@@ -64,12 +63,7 @@ class StateHolder:
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         inner = self.averager.optimizer
-        with torch.no_grad():
-            # hivemind initialised the optimizer with a zero-gradient step (weight decay applied once): put the
-            # checkpoint's parameters back in its offloaded copy, then its statistics.
-            offloaded = [param for group in inner.param_groups for param in group["params"]]
-            for param, main in zip(offloaded, self.averager.main_parameters):
-                param.copy_(main)
+        copy_into_offloaded(inner, self.averager.main_parameters)  # the checkpoint's weights, then its statistics
         if checkpoint.optimizer is not None:
             inner.load_state_dict(checkpoint.optimizer)
         self._offer(checkpoint.epoch)

@@ -43,6 +43,9 @@ class SwarmConfig:
     target_batch_size: int  # samples the whole swarm accumulates per optimizer step (one swarm epoch)
     matchmaking_time: float = 3.0  # seconds a peer waits for others to form an averaging group
     averaging_timeout: float = 30.0  # seconds before a stuck averaging round is abandoned
+    # Seconds an all-reduce waits for a peer's next chunk before averaging without it. hivemind's default (the
+    # matchmaking time, 1 s in the demo) drops the parts of a peer that is merely busy for a moment.
+    next_chunk_timeout: float = 5.0
     grad_compression: str = "none"  # "none", "fp16" or "8bit" for gradient averaging
     state_compression: str = "none"  # the same choices for parameter/state averaging and state downloads
 

@@ -82,6 +82,15 @@ def _raise_unless_cached(name: str, hint: str) -> None:
     raise PretrainedWeightsUnavailable(f"{hint}. {_FLAG_HINT}")
 
 
+def choose_device(requested: str) -> str:
+    """--device auto|cpu|cuda: auto takes the GPU when there is one. Asking for cuda without one is a ValueError."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

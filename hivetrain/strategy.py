@@ -40,6 +40,7 @@ class HivemindOptions:
     batch_size: int  # this peer's samples per local step
     matchmaking_time: float = 3.0
     averaging_timeout: float = 30.0
+    next_chunk_timeout: float = 5.0  # seconds before a silent peer's remaining parts are averaged without it
     grad_compression: str = "none"  # "none", "fp16", "8bit"
     state_compression: str = "none"  # for parameter averaging and state downloads
     average_state_every: int = 1  # swarm epochs between parameter averaging rounds
@@ -203,6 +204,33 @@ class SwarmOptimizer(hivemind.Optimizer):
         return all(torch.isfinite(g).all() for g in gradients)
 
 
+def optimizer_recipe(optimizer: torch.optim.Optimizer, scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None):
+    """What hivemind needs to build a configured torch optimizer (and LambdaLR scheduler) itself, so that it can
+    offload it: (param_groups, optimizer factory, scheduler factory or None). The class, hyperparameters, param groups
+    and LR lambdas carry over unchanged."""
+    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        raise ValueError(f"HivemindStrategy can rebuild LambdaLR schedulers only, got {type(scheduler).__name__}")
+    optimizer_class = type(optimizer)
+    # Each group carries every hyperparameter (torch fills in the defaults), so the groups alone rebuild it.
+    param_groups = [dict(group) for group in optimizer.param_groups]
+
+    def make_optimizer(params):
+        return optimizer_class(params)
+
+    def make_scheduler(inner: torch.optim.Optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(inner, scheduler.lr_lambdas)
+
+    return param_groups, make_optimizer, make_scheduler if scheduler is not None else None
+
+
+def copy_into_offloaded(inner: torch.optim.Optimizer, values: list[torch.Tensor]) -> None:
+    """Overwrite the parameters of hivemind's offloaded optimizer (its master copy), in param-group order. hivemind
+    initialises that optimizer with one zero-gradient step, which applies weight decay to its copy once."""
+    with torch.no_grad():
+        for param, value in zip((param for group in inner.param_groups for param in group["params"]), values):
+            param.copy_(value)
+
+
 def wrap_optimizer(
     options: HivemindOptions,
     dht: hivemind.DHT,
@@ -210,25 +238,10 @@ def wrap_optimizer(
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None,
     private_key: Optional[RSAPrivateKey] = None,
 ) -> hivemind.Optimizer:
-    """Rebuild a configured torch optimizer (and LambdaLR scheduler) inside a hivemind.Optimizer.
-
-    hivemind creates the optimizer itself so that it can offload it and run it in the background; the optimizer's
-    class, hyperparameters and param groups, and the scheduler's LR lambdas, carry over unchanged. `private_key` signs
-    this peer's progress records (default: the process's key; two peers in one process need one each).
-    """
-    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        raise ValueError(f"HivemindStrategy can rebuild LambdaLR schedulers only, got {type(scheduler).__name__}")
-    optimizer_class = type(optimizer)
-    # Each group carries every hyperparameter (torch fills in the defaults), so the groups alone rebuild it.
-    param_groups = [dict(group) for group in optimizer.param_groups]
-    lr_lambdas = scheduler.lr_lambdas if scheduler is not None else None
-
-    def make_optimizer(params):
-        return optimizer_class(params)
-
-    def make_scheduler(inner: torch.optim.Optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(inner, lr_lambdas)
-
+    """Rebuild a configured torch optimizer (and LambdaLR scheduler) inside a hivemind.Optimizer (see
+    optimizer_recipe). `private_key` signs this peer's progress records (default: the process's key; two peers in one
+    process need one each)."""
+    param_groups, make_optimizer, make_scheduler = optimizer_recipe(optimizer, scheduler)
     initial_parameters = [param.detach().clone() for group in param_groups for param in group["params"]]
     swarm_optimizer = SwarmOptimizer(
         dht=dht,
@@ -237,9 +250,10 @@ def wrap_optimizer(
         batch_size_per_step=options.batch_size,
         optimizer=make_optimizer,
         params=param_groups,
-        scheduler=make_scheduler if lr_lambdas is not None else None,
+        scheduler=make_scheduler,
         matchmaking_time=options.matchmaking_time,
         averaging_timeout=options.averaging_timeout,
+        next_chunk_timeout=options.next_chunk_timeout,
         load_state_timeout=options.load_state_timeout,
         offload_optimizer=options.offload_optimizer,
         reuse_grad_buffers=options.reuse_grad_buffers,
@@ -265,12 +279,11 @@ def _undo_virtual_step(swarm_optimizer: hivemind.Optimizer, initial_parameters: 
     bias correction (the first real update comes out ~25% too small) and applies weight decay once. Undo both, so
     that a swarm step is exactly the step the same optimizer would take alone."""
     inner = swarm_optimizer.opt
+    copy_into_offloaded(inner, initial_parameters)
     with torch.no_grad():
-        inner_parameters = [param for group in inner.param_groups for param in group["params"]]
-        main_parameters = [param for group in swarm_optimizer.param_groups for param in group["params"]]
-        for initial, inner_param, main_param in zip(initial_parameters, inner_parameters, main_parameters):
-            inner_param.copy_(initial)
+        for main_param, initial in zip((p for group in swarm_optimizer.param_groups for p in group["params"]),
+                                       initial_parameters):
             main_param.copy_(initial)
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 INITIAL_PEERS_ENV = "HIVETRAIN_INITIAL_PEERS"
 RUN_KEY = "hivetrain_run"  # one fixed key: a joiner knows only an address, not yet the run's id
 RUN_RECORD_TTL = 60.0  # seconds a published manifest lives unless the coordinator refreshes it
+DHT_READ_TIMEOUT = 10.0  # seconds a read of the DHT may take
+Record = TypeVar("Record", bound=BaseModel)
 
 
 class SwarmError(RuntimeError):
@@ -97,9 +99,16 @@ class _ShutdownRaceFilter(logging.Filter):
         return "Task was destroyed but it is pending" not in record.getMessage()
 
 
-def _ignore_closed_loop_in_finalizers(unraisable) -> None:
+def _quiet_unraisable(unraisable) -> None:
     # MPFuture.__del__ may run after its event loop closed during interpreter exit; nothing is lost then.
     if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+        return
+    # Our SIGTERM's KeyboardInterrupt, landed where Python can only report it (a fork hook, a finalizer): the main
+    # loops see the request through raise_if_leaving().
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _leaving.is_set():
+        return
+    # An averager whose __init__ that interrupt cut short cannot finalise itself; its process is a daemon and ends.
+    if isinstance(unraisable.exc_value, AttributeError) and "_parent_pid" in str(unraisable.exc_value):
         return
     sys.__unraisablehook__(unraisable)
 
@@ -111,7 +120,10 @@ def quiet_shutdown() -> None:
         logger_ = logging.getLogger(name)
         if not any(isinstance(f, _ShutdownRaceFilter) for f in logger_.filters):
             logger_.addFilter(_ShutdownRaceFilter())
-    sys.unraisablehook = _ignore_closed_loop_in_finalizers
+    sys.unraisablehook = _quiet_unraisable
+
+
+_leaving = threading.Event()  # set by the SIGTERM handler
 
 
 def leave_on_sigterm() -> None:
@@ -125,9 +137,30 @@ def leave_on_sigterm() -> None:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        _leaving.set()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, leave)
+    sys.unraisablehook = _quiet_unraisable
+
+
+def raise_if_leaving() -> None:
+    """Raise the KeyboardInterrupt of a SIGTERM that Python swallowed. The handler's exception is lost when the signal
+    lands in a fork hook or a finalizer (a DHT or averager starting its process), so long loops call this."""
+    if _leaving.is_set():
+        raise KeyboardInterrupt
+
+
+def run_role(work: Callable[[], int], farewell: str) -> int:
+    """The main() of a role: log to stderr, leave on SIGTERM or Ctrl-C with `farewell` and exit code 0."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
+    leave_on_sigterm()
+    try:
+        return work()
+    except KeyboardInterrupt:
+        print(farewell, flush=True)
+        return 0
 
 
 def start_dht(options: DHTOptions) -> hivemind.DHT:
@@ -280,16 +313,26 @@ def _add_run_record_validators(dht: hivemind.DHT) -> None:
 
 def _read_run_records(dht: hivemind.DHT) -> list[_RunRecord]:
     _add_run_record_validators(dht)
+    return read_records(dht, RUN_KEY, _RunRecord)
+
+
+def read_records(dht: hivemind.DHT, key: str, schema: type[Record], timeout: float = DHT_READ_TIMEOUT) -> list[Record]:
+    """Every live entry under a DHT key with subkeys, each parsed with `schema`. A malformed entry is skipped with a
+    warning, a cleared one (None: its owner left) silently: nothing a peer wrote stops the reader."""
     try:  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
-        found = dht.get(RUN_KEY, latest=True, return_future=True).result(timeout=10)
+        found = dht.get(key, latest=True, return_future=True).result(timeout=timeout)
     except TimeoutError:
+        logger.warning(f"Reading {key} from the DHT timed out")
         return []
     if found is None or not isinstance(found.value, dict):
         return []
     records = []
     for entry in found.value.values():
+        value = getattr(entry, "value", None)
+        if value is None:
+            continue
         try:
-            records.append(_RunRecord.parse_obj(entry.value))
-        except Exception as e:  # a malformed entry never stops a reader
-            logger.warning(f"Skipping a malformed run record: {e}")
+            records.append(schema.parse_obj(value))
+        except Exception as e:
+            logger.warning(f"Skipping a malformed record under {key}: {' '.join(str(e).split())}")
     return records

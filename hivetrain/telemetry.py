@@ -19,11 +19,12 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint
 
+from hivetrain.swarm import DHT_READ_TIMEOUT, read_records
+
 logger = logging.getLogger(__name__)
 
 PEER_RECORD_TTL = 30.0  # seconds a record lives: a peer that stops refreshing leaves the live view this fast
 PUBLISH_EVERY = 5.0  # seconds between a peer's records
-READ_TIMEOUT = 10.0  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
 
 
 class PeerRecord(BaseModel):
@@ -69,44 +70,18 @@ def publish_peer_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl:
                        expiration_time=get_dht_time() + ttl, return_future=True)
     if wait:
         try:
-            future.result(timeout=READ_TIMEOUT)
+            future.result(timeout=DHT_READ_TIMEOUT)
         except TimeoutError:
             logger.warning("Could not store this peer's last metrics record in time")
 
 
-def _get(dht: hivemind.DHT, key: str) -> dict:
-    try:
-        found = dht.get(key, latest=True, return_future=True).result(timeout=READ_TIMEOUT)
-    except TimeoutError:
-        logger.warning(f"Reading {key} from the DHT timed out")
-        return {}
-    return found.value if found is not None and isinstance(found.value, dict) else {}
-
-
 def read_peer_records(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
     _add_validators(dht, run_id)
-    records = []
-    for entry in _get(dht, metrics_key(run_id)).values():
-        value = getattr(entry, "value", None)
-        if value is None:  # a peer that left cleared its record
-            continue
-        try:
-            records.append(PeerRecord.parse_obj(value))
-        except Exception as e:  # anything a peer wrote must not stop the reader
-            logger.warning(f"Skipping a malformed metrics record: {' '.join(str(e).split())}")
-    return records
+    return read_records(dht, metrics_key(run_id), PeerRecord)
 
 
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
-    records = []
-    for entry in _get(dht, f"{run_id}_progress").values():
-        value = getattr(entry, "value", None)
-        if value is None:
-            continue
-        try:
-            records.append(LocalTrainingProgress.parse_obj(value))
-        except Exception as e:
-            logger.warning(f"Skipping a malformed progress record: {' '.join(str(e).split())}")
+    records = read_records(dht, f"{run_id}_progress", LocalTrainingProgress)
     epoch = max((r.epoch for r in records), default=0)
     return ProgressSummary(
         epoch=epoch,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 # Imports of torch, lightning and hivemind take seconds: they come after the arguments are checked.
@@ -121,16 +121,9 @@ def choose_precision(requested: str, device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
-    from hivetrain.swarm import leave_on_sigterm
+    from hivetrain.swarm import run_role
 
-    leave_on_sigterm()
-    try:
-        return _join(args)
-    except KeyboardInterrupt:
-        print("Left the swarm.", flush=True)
-        return 0
+    return run_role(partial(_join, args), farewell="Left the swarm.")
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -185,7 +178,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
     import torch
 
     from hivetrain.data import make_datamodule
-    from hivetrain.model import create_model, save_weights
+    from hivetrain.model import choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
     from hivetrain.strategy import HivemindOptions, HivemindStrategy
     from hivetrain.telemetry import describe_hardware
@@ -193,9 +186,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
+    device = choose_device(args.device)
     precision = choose_precision(args.precision or config.precision, device)
     batch_size = args.batch_size or config.batch_size
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -217,6 +208,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
             batch_size=batch_size,
             matchmaking_time=swarm.matchmaking_time,
             averaging_timeout=swarm.averaging_timeout,
+            next_chunk_timeout=swarm.next_chunk_timeout,
             grad_compression=swarm.grad_compression,
             state_compression=swarm.state_compression,
             verbose=args.verbose,

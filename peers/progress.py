@@ -10,6 +10,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from hivetrain.swarm import raise_if_leaving
 from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publish_peer_record
 
 
@@ -40,6 +41,7 @@ class SwarmProgress(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        raise_if_leaving()
         self.samples += self.batch_size
         if isinstance(outputs, dict) and "loss" in outputs:
             self._losses.append(float(outputs["loss"]))
@@ -84,6 +86,7 @@ class SwarmProgress(pl.Callback):
             if waited % 10 == 0:
                 print(f"Waiting for peers: {present} of {self.min_peers} in the swarm", flush=True)
             time.sleep(0.5)
+            raise_if_leaving()
             waited += 0.5
         if waited:
             trainer.strategy.optimizer.load_state_from_peers()  # whoever was first may have stepped meanwhile
