@@ -179,7 +179,15 @@ class SwarmOptimizer(hivemind.Optimizer):
     parameters. This peer skips such a step instead, drops its gradients and reloads the swarm's state, since its own
     parameters may be what went wrong. With fp16 the gradient scaler already skips overflowing steps: it is left to it.
     A step whose closure returns None (Lightning: training_step returned None) counts no samples.
+
+    Its averagers time matchmaking requests out well inside the matchmaking window. hivemind gives `averager_opts` to
+    the state averager only, so the gradient averager kept a 3 s request timeout against a 1 s window: two peers that
+    raced apart then asked each other to lead, waited, and missed every round ("could not find a group").
     """
+
+    def _make_gradient_averager(self, factory, **kwargs):
+        kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
+        return super()._make_gradient_averager(factory, **kwargs)
 
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None, batch_size: Optional[int] = None,
              grad_scaler: Optional[hivemind.GradScaler] = None):
