@@ -189,6 +189,26 @@ class SwarmOptimizer(hivemind.Optimizer):
         kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
         return super()._make_gradient_averager(factory, **kwargs)
 
+    # A peer alone steps every few batches. hivemind pre-schedules an averaging round before each of those steps and
+    # cancels it at the step, but the cancelled round keeps the averager's matchmaking busy, and the real rounds queue
+    # behind it ("Another look_for_group is already in progress") and time out: peers that started alone then missed
+    # round after round together. Alone, there is nothing to schedule.
+    def _maybe_schedule_gradient_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_gradient_averaging()
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        if self.tracker.global_progress.num_peers > 1:
+            super()._maybe_schedule_state_averaging()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        try:
+            averaged = maybe_step_control is not None and maybe_step_control.done() and maybe_step_control.exception() is None
+        except BaseException:
+            averaged = False
+        self._missed_round = maybe_step_control is not None and not averaged
+
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None, batch_size: Optional[int] = None,
              grad_scaler: Optional[hivemind.GradScaler] = None):
         loss = None
@@ -202,7 +222,13 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.zero_grad(set_to_none=True)
             self.load_state_from_peers()
             return loss
+        self._missed_round = False
         super().step(batch_size=batch_size, grad_scaler=grad_scaler)
+        if self._missed_round and self.tracker.global_progress.num_peers > 1:
+            # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
+            # drift one epoch apart (where each peer's rounds come when the others are not looking).
+            logger.warning("Missed the swarm's averaging round: loading its state instead of drifting")
+            self.load_state_from_peers()
         return loss
 
     def _finite(self, loss: Optional[torch.Tensor]) -> bool:

@@ -3,6 +3,7 @@ others can dial, and the run's manifest published in the DHT."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -192,23 +193,34 @@ def start_dht(options: DHTOptions) -> hivemind.DHT:
     return dht
 
 
+FORGET_PEERS_AFTER = 600.0  # seconds: a peer gone this long is not dialled again
+_seen_peers: dict[PeerID, float] = {}  # in the DHT's process: every DHT peer this node has known, and when
+
+
 async def _reconnect(maddrs: list[str], dht: hivemind.DHT, node) -> int:
-    """Inside the DHT's process: ping each initial peer this node is not connected to, so that both add each other to
-    their routing tables again (the P2P daemon keeps the initial peers' addresses and dials them itself). Returns how
-    many came back."""
+    """Inside the DHT's process: ping the initial peers this node is not connected to, and the peers it knew that have
+    dropped out of its routing table, so that both sides add each other again. A DHT removes a peer at its first
+    unanswered request; after a network cut or the coordinator's death, two volunteers that only met through others
+    would otherwise never find each other again (their averaging and progress keys would no longer meet). The P2P
+    daemon keeps the addresses of peers it was connected to and dials them itself. Returns how many came back."""
+    now = time.monotonic()
+    in_table = set(node.protocol.routing_table.peer_id_to_uid)
+    _seen_peers.update({peer_id: now for peer_id in in_table})
+    for peer_id, seen in list(_seen_peers.items()):
+        if now - seen > FORGET_PEERS_AFTER:
+            del _seen_peers[peer_id]
     connected = {info.peer_id for info in await node.p2p.list_peers()}
-    reached = 0
-    for maddr in maddrs:
-        peer_id = PeerID.from_base58(Multiaddr(maddr)["p2p"])
-        if peer_id not in connected:
-            reached += await node.protocol.call_ping(peer_id) is not None
-    return reached
+    initial = [PeerID.from_base58(Multiaddr(maddr)["p2p"]) for maddr in maddrs]
+    targets = {peer_id for peer_id in initial if peer_id not in connected}
+    targets |= {peer_id for peer_id in _seen_peers if peer_id not in in_table and peer_id != node.peer_id}
+    answers = await asyncio.gather(*(node.protocol.call_ping(peer_id) for peer_id in targets), return_exceptions=True)
+    return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
 
 
 class StayConnected(threading.Thread):
-    """Dials the initial peers again whenever the connection is lost. A coordinator that restarts (same identity and
-    port) starts a fresh DHT that knows nobody: without this, the peers would train on but it would never see them
-    again. Runs until the DHT shuts down."""
+    """Dials the initial peers again whenever the connection is lost, and the swarm's peers this one lost touch with.
+    A coordinator that restarts (same identity and port) starts a fresh DHT that knows nobody: without this, the peers
+    would train on but it would never see them again. Runs until the DHT shuts down."""
 
     def __init__(self, dht: hivemind.DHT, initial_peers: list[str], every: float = 10.0):
         super().__init__(name="stay-connected", daemon=True)
@@ -224,7 +236,7 @@ class StayConnected(threading.Thread):
             except Exception:  # the DHT is shutting down, or the dial hung: the next round tries again
                 continue
             if reached:
-                logger.info(f"Reconnected to {reached} initial peer(s)")
+                logger.info(f"Reconnected to {reached} peer(s)")
 
 
 def _is_loopback(maddr: Multiaddr) -> bool:

@@ -39,6 +39,10 @@ class SwarmProgress(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):  # Ctrl-C or SIGTERM: Lightning skips on_train_end then
+            self._publish(trainer, wait=True)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         raise_if_leaving()
