@@ -101,6 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
+    from hivetrain.reachability import serve_dial_back
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, start_dht
 
     # Everything that can be refused is checked before the run is touched: the checkpoint to resume, the store, the
@@ -143,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
             identity_path=str(identity),
         ))
         resources.append(dht)
+        dht.run_coroutine(serve_dial_back)  # joiners ask whether the swarm can dial them (--client-mode auto)
         return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir)
     except (SwarmError, StoreError, CheckpointError, DatasetUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,8 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--run-id", help="the run to join when the swarm holds several")
     net.add_argument("--preset", help="refuse to join unless the run's configuration is exactly this preset")
     net.add_argument("--client-mode", choices=("auto", "on", "off"), default="auto",
-                     help="on: only dial out (behind NAT or a firewall); auto (default): on when this machine has"
-                          " only private addresses and the swarm is on other machines")
+                     help="on: only dial out (behind NAT or a firewall); auto (default): on unless the coordinator"
+                          " can dial this machine back")
     net.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; not used in client mode)")
     net.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
     net.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
@@ -87,26 +87,27 @@ def _is_loopback_host(host: str) -> bool:
         return host == "localhost"
 
 
-def _has_public_address() -> bool:
-    import psutil
-
-    for addresses in psutil.net_if_addrs().values():
-        for address in addresses:
-            try:
-                if ipaddress.ip_address(address.address.split("%")[0]).is_global:
-                    return True
-            except ValueError:
-                continue
-    return False
-
-
-def choose_client_mode(mode: str, initial_peers: list[str], announce: list[str]) -> bool:
-    """auto: a peer that only has private addresses cannot be dialled by a swarm on other machines (NAT)."""
+def choose_client_mode(mode: str, initial_peers: list[str], host: str, port: int, announce: list[str]) -> bool:
+    """auto: a full peer when the coordinator can dial this machine back (the address it listens or announces on),
+    client mode otherwise: behind NAT or a firewall a peer can only dial out."""
     if mode != "auto":
         return mode == "on"
-    if announce or not initial_peers or _is_local_swarm(initial_peers):
+    if _is_local_swarm(initial_peers):
+        return False  # the whole swarm is on this machine
+    from hivetrain.reachability import check_reachability
+    from hivetrain.swarm import listen_maddr
+
+    print("Checking whether the swarm can dial this machine...", flush=True)
+    result = check_reachability(initial_peers, [listen_maddr(host, port)], announce)
+    if result.reachable is None:
+        print(f"Reachability unknown: {result.detail}. Joining in client mode.", flush=True)
+        return True
+    if result.reachable:
+        print(f"Reachable: {result.detail}.", flush=True)
         return False
-    return not _has_public_address()
+    print(f"Not reachable: {result.detail}. Joining in client mode (dialling out only); forward a port and pass"
+          f" --port/--announce to serve the swarm.", flush=True)
+    return True
 
 
 def choose_precision(requested: str, device: str) -> str:
@@ -143,7 +144,7 @@ def _join(args: argparse.Namespace) -> int:
     except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    client_mode = choose_client_mode(args.client_mode, initial_peers, args.announce)
+    client_mode = choose_client_mode(args.client_mode, initial_peers, args.host, args.port, args.announce)
     network = DHTOptions(
         initial_peers=initial_peers,
         host_maddrs=[listen_maddr(args.host, args.port)],

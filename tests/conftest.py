@@ -20,11 +20,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 class Process:
     """A role started as its own process, its combined output collected line by line."""
 
-    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, prefix: list[str] = ()):
         self.log = log
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (time.time())
         self.popen = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [*prefix, sys.executable, *args],  # prefix: e.g. `ip netns exec NAME`
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
             start_new_session=True,  # its own process group: kill() takes its hivemind processes and p2pd with it
         )
@@ -35,6 +37,7 @@ class Process:
         with self.log.open("w") as out:
             for line in self.popen.stdout:
                 out.write(line)
+                self.times.append(time.time())
                 self.lines.append(line.rstrip("\n"))
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
