@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--identity", default=None, metavar="FILE",
                      help="private key file that keeps the peer ID stable (default:"
                           " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start)")
+    net.add_argument("--require-token", action="store_true",
+                     help="private run: only peers with a token from `issue-token` may join (see --authority-key)")
+    net.add_argument("--authority-key", default=None, metavar="FILE",
+                     help="the key that signs the run's tokens (default: ~/.cache/hivetrain/<run-id>/authority.key;"
+                          " created on first use)")
     watch = parser.add_argument_group("monitoring and validation")
     watch.add_argument("--refresh", type=float, default=10.0, help="seconds between looks at the swarm (default: %(default)s)")
     watch.add_argument("--log-dir", default=None, metavar="DIR",
@@ -85,7 +90,46 @@ def status_line(snapshot) -> str:
             f"{snapshot.target_batch_size} samples toward the next epoch{eta}{loss}")
 
 
+def authority_path(authority_key: str | None, run_id: str) -> Path:
+    return Path(authority_key or Path.home() / ".cache" / "hivetrain" / run_id / "authority.key")
+
+
+def issue_token(argv: list[str]) -> int:
+    from datetime import datetime
+
+    from hivetrain.access import issue_grant, load_authority, parse_lifetime
+    from hivetrain.config import DEFAULT_PRESET, PRESETS, get_preset
+
+    parser = argparse.ArgumentParser(
+        prog="python coordinator/start.py issue-token",
+        description="Print an access token for one volunteer of a private run (started with --require-token). The"
+                    " volunteer joins with --token TOKEN (or HIVETRAIN_TOKEN=TOKEN).",
+    )
+    parser.add_argument("name", help="who the token is for (their display name in the swarm)")
+    parser.add_argument("--expires", default="7d", help="lifetime: 30m, 12h, 7d, 2w (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                        help="the run's preset, to find its default run id (default: %(default)s)")
+    parser.add_argument("--run-id", help="the run's id, as given to the coordinator (default: the preset's)")
+    parser.add_argument("--authority-key", default=None, metavar="FILE",
+                        help="the run's authority key (default: ~/.cache/hivetrain/<run-id>/authority.key)")
+    args = parser.parse_args(argv)
+    try:
+        lifetime = parse_lifetime(args.expires)
+        path = authority_path(args.authority_key, args.run_id or get_preset(args.preset).run_id)
+        grant = issue_grant(load_authority(path), args.name, lifetime)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(grant.encode())
+    print(f"Token for {grant.name}, valid until {datetime.fromtimestamp(grant.expires):%Y-%m-%d %H:%M}, signed with"
+          f" {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["issue-token"]:
+        return issue_token(argv[1:])
     args = parse_args(argv)
     from hivetrain.swarm import run_role
 
@@ -101,6 +145,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
+    from hivetrain.access import RunAuthorizer, issue_grant, load_authority
     from hivetrain.reachability import serve_dial_back
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, start_dht
 
@@ -139,9 +184,14 @@ def _run(args: argparse.Namespace) -> int:
 
         identity = Path(args.identity or Path.home() / ".cache" / "hivetrain" / config.run_id / "coordinator.key")
         identity.parent.mkdir(parents=True, exist_ok=True)
+        authorizer = None
+        if args.require_token:  # the coordinator holds a grant of its own, like every peer of the run
+            grant = issue_grant(load_authority(authority_path(args.authority_key, config.run_id)), "coordinator",
+                                lifetime=100 * 365 * 86400)
+            authorizer = RunAuthorizer(grant)
         dht = start_dht(DHTOptions(
             host_maddrs=[listen_maddr(args.host, args.port)], announce_maddrs=args.announce,
-            identity_path=str(identity),
+            identity_path=str(identity), authorizer=authorizer,
         ))
         resources.append(dht)
         dht.run_coroutine(serve_dial_back)  # joiners ask whether the swarm can dial them (--client-mode auto)
@@ -183,6 +233,10 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         print("Only loopback addresses exist: volunteers can join from this machine only"
               " (use --host 0.0.0.0, or --announce with your public address).", flush=True)
     print(f"To join, run:\n  {command}", flush=True)
+    if args.require_token:
+        run_option = f" --run-id {config.run_id}" if args.run_id else ""
+        print(f"Private run: each volunteer adds --token TOKEN, printed by\n  python coordinator/start.py issue-token"
+              f" NAME --expires 7d{run_option}", flush=True)
     writer.set_run(RunInfo(run_id=config.run_id, preset=config.preset, fingerprint=config.fingerprint,
                            config_json=config.to_json(), join_command=command,
                            coordinator_peer_id=dht.peer_id.to_base58(), started=time.time()))

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
@@ -49,6 +49,7 @@ class DHTOptions:
     use_relay: bool = True  # may reach peers behind NAT through libp2p circuit relays
     use_auto_relay: bool = False  # look for relays to become reachable while behind NAT
     startup_timeout: float = 30.0  # p2pd start; slow machines need more than hivemind's 15 s
+    authorizer: Optional[Any] = None  # hivetrain.access.RunAuthorizer in a private run: DHT traffic needs a token
 
 
 def listen_maddr(host: str, port: int) -> str:
@@ -180,6 +181,7 @@ def start_dht(options: DHTOptions) -> hivemind.DHT:
             use_relay=options.use_relay,
             use_auto_relay=options.use_auto_relay,
             startup_timeout=options.startup_timeout,
+            authorizer=options.authorizer,
             start=True,
         )
     except P2PDaemonError as e:
@@ -190,6 +192,16 @@ def start_dht(options: DHTOptions) -> hivemind.DHT:
                 " coordinator's own machine)?"
             ) from None
         raise SwarmError(f"could not start the P2P daemon: {e}") from None
+    except RuntimeError as e:  # connected, but no initial peer answered a DHT request
+        if "bootstrap failed" not in str(e):
+            raise
+        raise SwarmError(
+            "the initial peers refused this peer's requests. " + (
+                "This run is private: join with the --token the coordinator issued for you (issue-token)."
+                if options.authorizer is None else
+                "Is your --token for this run? A token signed for another run (or by another coordinator key)"
+                " gets no answer.")
+        ) from None
     return dht
 
 

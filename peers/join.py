@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--port", type=int, default=0, help="TCP port to listen on (0: any free port)")
     net.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
                      help="addresses to announce instead of the listening ones (port forwarding, public IP)")
+    net.add_argument("--token", default=None,
+                     help="your access token for a private run, from the coordinator's issue-token (default:"
+                          " $HIVETRAIN_TOKEN)")
     net.add_argument("--identity", help="private key file: keeps this peer's ID across restarts")
     net.add_argument("--auto-relay", action="store_true",
                      help="behind NAT, look for libp2p relays among the peers to become reachable through them")
@@ -58,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     stop.add_argument("--max-steps", type=int, default=-1, help="local steps (default: no limit)")
     stop.add_argument("--max-time", type=float, default=None, help="minutes")
     train.add_argument("--min-peers", type=int, default=1,
-                       help="wait until this many reachable peers (this one included) have joined before the first step")
+                       help="wait until this many peers (this one included) have joined before the first step")
     stop.add_argument("--stop-at-epoch", type=int, default=None,
                       help="leave once the swarm has reached this epoch (one epoch = one swarm optimizer step)")
     out = parser.add_argument_group("output")
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
     from hivetrain.data import DatasetUnavailable
     from hivetrain.model import PretrainedWeightsUnavailable
@@ -141,6 +145,15 @@ def _join(args: argparse.Namespace) -> int:
             raise SwarmError("no initial peers: pass --initial-peers (printed by the coordinator) or set"
                              " HIVETRAIN_INITIAL_PEERS")
         expected = get_preset(args.preset) if args.preset else None
+        authorizer = None
+        token = args.token or os.environ.get(TOKEN_ENV)
+        if token:
+            grant = AccessGrant.decode(token)
+            if grant.expired:
+                raise SwarmError(f"your token (for {grant.name}) expired on {time.ctime(grant.expires)}: ask the"
+                                 f" coordinator for a new one")
+            authorizer = RunAuthorizer(grant)
+            args.name = args.name or grant.name
     except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -152,6 +165,7 @@ def _join(args: argparse.Namespace) -> int:
         identity_path=args.identity,
         client_mode=client_mode,
         use_auto_relay=args.auto_relay,
+        authorizer=authorizer,
     )
     dht = None
     try:

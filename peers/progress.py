@@ -85,8 +85,11 @@ class SwarmProgress(pl.Callback):
     def _wait_for_peers(self, trainer: pl.Trainer) -> None:
         """A peer alone takes whole swarm epochs by itself, at full local speed: with --min-peers it waits for others
         to join before its first step."""
+        if self.min_peers <= 1:
+            return  # this peer alone is enough
         waited = 0.0
-        while (present := trainer.strategy.count_reachable_peers()) < self.min_peers:
+        # a client-mode peer declares nothing to the others, so the count leaves it out: add it
+        while (present := trainer.strategy.count_reachable_peers() + int(self.client_mode)) < self.min_peers:
             if waited % 10 == 0:
                 print(f"Waiting for peers: {present} of {self.min_peers} in the swarm", flush=True)
             time.sleep(0.5)

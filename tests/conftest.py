@@ -95,8 +95,8 @@ def assert_clean_error(process: Process, code: int, message: str) -> None:
 def spawn(tmp_path):
     started: list[Process] = []
 
-    def start(name: str, *args: str, env: dict | None = None) -> Process:
-        process = Process(list(args), tmp_path / f"{name}.log", env)
+    def start(name: str, *args: str, env: dict | None = None, prefix: list[str] = ()) -> Process:
+        process = Process(list(args), tmp_path / f"{name}.log", env, prefix)
         started.append(process)
         return process
 

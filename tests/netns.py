@@ -4,12 +4,27 @@ NAT. Needs root (CI runs as root); `VethNamespace.unavailable()` says why it can
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from typing import Optional
+
+IPTABLES = shutil.which("iptables") or "/usr/sbin/iptables"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def _cannot_build(network, what: str) -> Optional[str]:
+    """Why `network` cannot be created here (it is built and removed again), or None when it can."""
+    try:
+        network.create()
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+        return f"cannot {what} here ({detail or e}); needs root and iproute2"
+    finally:
+        network.delete()
+    return None
 
 
 class VethNamespace:
@@ -23,15 +38,7 @@ class VethNamespace:
 
     @staticmethod
     def unavailable() -> Optional[str]:
-        probe = VethNamespace(254)
-        try:
-            probe.create()
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = e.stderr.strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
-            return f"cannot create a network namespace here ({detail or e}); needs root and iproute2"
-        finally:
-            probe.delete()
-        return None
+        return _cannot_build(VethNamespace(254), "create a network namespace")
 
     def create(self) -> "VethNamespace":
         _ip("netns", "add", self.name)
@@ -64,3 +71,60 @@ class VethNamespace:
                 pass
         _ip("netns", "del", self.name, check=False)
         _ip("link", "del", self._host_link, check=False)
+
+
+class NattedNamespace:
+    """A peer behind NAT: namespace `<name>-peer` (192.168.<subnet>.2) routes through namespace `<name>-nat`, which
+    masquerades it as 10.78.<subnet>.2 towards this host (10.78.<subnet>.1). The host has no route back to the peer's
+    network, as with a home router: the peer dials out, nobody dials in."""
+
+    def __init__(self, subnet: int):
+        tag = f"{os.getpid() % 10000}n{subnet}"
+        self.router, self.peer = f"hivetrain-{os.getpid()}-{subnet}-nat", f"hivetrain-{os.getpid()}-{subnet}-peer"
+        self.host_ip, self.outside_ip = f"10.78.{subnet}.1", f"10.78.{subnet}.2"
+        self.inside_ip, self.peer_ip = f"192.168.{subnet}.1", f"192.168.{subnet}.2"
+        self._links = (f"htr{tag}h", f"htr{tag}o", f"htr{tag}i", f"htr{tag}p")
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        if not os.path.exists(IPTABLES):
+            return "iptables is not installed (scripts/install-system-test-deps.sh installs it as root)"
+        return _cannot_build(NattedNamespace(254), "build a NAT between network namespaces")
+
+    def create(self) -> "NattedNamespace":
+        host, outside, inside, peer = self._links
+        _ip("netns", "add", self.router)
+        _ip("netns", "add", self.peer)
+        _ip("link", "add", host, "type", "veth", "peer", "name", outside)
+        _ip("link", "set", outside, "netns", self.router)
+        _ip("addr", "add", f"{self.host_ip}/24", "dev", host)
+        _ip("link", "set", host, "up")
+        _ip("-n", self.router, "addr", "add", f"{self.outside_ip}/24", "dev", outside)
+        _ip("-n", self.router, "link", "set", outside, "up")
+        _ip("-n", self.router, "link", "add", inside, "type", "veth", "peer", "name", peer)
+        _ip("-n", self.router, "link", "set", peer, "netns", self.peer)
+        _ip("-n", self.router, "addr", "add", f"{self.inside_ip}/24", "dev", inside)
+        _ip("-n", self.router, "link", "set", inside, "up")
+        _ip("-n", self.peer, "addr", "add", f"{self.peer_ip}/24", "dev", peer)
+        _ip("-n", self.peer, "link", "set", peer, "up")
+        _ip("-n", self.peer, "link", "set", "lo", "up")
+        _ip("-n", self.peer, "route", "add", "default", "via", self.inside_ip)
+        subprocess.run(["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True,
+                       capture_output=True, text=True)
+        subprocess.run(["ip", "netns", "exec", self.router, IPTABLES, "-t", "nat", "-A", "POSTROUTING", "-o",
+                        outside, "-j", "MASQUERADE"], check=True, capture_output=True, text=True)
+        return self
+
+    @property
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.peer]
+
+    def delete(self) -> None:
+        for namespace in (self.peer, self.router):
+            for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", namespace, check=False)
+        _ip("link", "del", self._links[0], check=False)

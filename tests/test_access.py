@@ -1,0 +1,74 @@
+"""Private runs: tokens the coordinator signs, and a swarm that answers nobody else."""
+
+import time
+
+import pytest
+from hivemind.proto.auth_pb2 import AccessToken
+
+from conftest import assert_clean_error, start_coordinator
+from hivetrain.access import AccessGrant, RunAuthorizer, issue_grant, load_authority, parse_lifetime
+from hivetrain.metrics_store import MetricsReader
+
+
+def _token_of(grant: AccessGrant, public_key: bytes = b"") -> AccessToken:
+    return AccessToken(username=grant.name, public_key=public_key, expiration_time=str(grant.expires),
+                       signature=grant.signature)
+
+
+def test_grants_round_trip_and_only_the_authority_signs_them(tmp_path):
+    authority = load_authority(tmp_path / "authority.key")
+    assert load_authority(tmp_path / "authority.key").to_bytes() == authority.to_bytes()  # kept, not regenerated
+    assert (tmp_path / "authority.key").stat().st_mode & 0o777 == 0o600
+    grant = issue_grant(authority, "alice", parse_lifetime("7d"))
+    assert AccessGrant.decode(grant.encode()) == grant
+    assert abs(grant.expires - (time.time() + 7 * 86400)) < 60
+    coordinator = RunAuthorizer(issue_grant(authority, "coordinator", 3600))
+    assert coordinator.is_token_valid(_token_of(grant))
+
+    forged = AccessGrant(name="mallory", expires=grant.expires, authority=grant.authority, signature=grant.signature)
+    expired = issue_grant(authority, "bob", -60)
+    foreign = issue_grant(load_authority(tmp_path / "other.key"), "eve", 3600)
+    for token in (forged, expired, foreign):
+        assert not coordinator.is_token_valid(_token_of(token)), token.name
+
+
+def test_bad_tokens_and_lifetimes_are_refused_with_a_reason():
+    for text in ("", "hello", "ht1.!!!", "ht1.e30"):
+        with pytest.raises(ValueError, match="not a HiveTrain access token"):
+            AccessGrant.decode(text)
+    assert parse_lifetime("30m") == 1800 and parse_lifetime("2w") == 14 * 86400 and parse_lifetime("90") == 90
+    for text in ("0d", "7 days", "-1h"):
+        with pytest.raises(ValueError, match="not a lifetime"):
+            parse_lifetime(text)
+
+
+def test_a_private_run_admits_token_holders_only(spawn, tmp_path):
+    authority = str(tmp_path / "authority.key")
+    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--require-token",
+                                     "--authority-key", authority, "--refresh", "1")
+
+    def issue(name: str, key: str, expires: str = "1h") -> str:
+        process = spawn(f"issue-{name}", "coordinator/start.py", "issue-token", name, "--expires", expires,
+                        "--authority-key", key)
+        assert process.wait(timeout=60) == 0, process.lines
+        return next(line for line in process.lines if line.startswith("ht1."))
+
+    def join(name: str, *extra: str):
+        return spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1",
+                     "--stop-at-epoch", "2", *extra)
+
+    nobody = join("nobody")
+    assert_clean_error(nobody, nobody.wait(timeout=120), r"refused this peer's requests.*private.*--token")
+    foreign = join("foreign", "--token", issue("eve", str(tmp_path / "other.key")))
+    assert_clean_error(foreign, foreign.wait(timeout=120), r"refused this peer's requests.*--token for this run")
+    expired = issue_grant(load_authority(tmp_path / "authority.key"), "bob", -60).encode()
+    late = join("late", "--token", expired)
+    assert_clean_error(late, late.wait(timeout=120), r"token \(for bob\) expired")
+
+    alice = join("alice", "--token", issue("alice", authority))
+    assert alice.wait(timeout=240) == 0, alice.log
+    assert any(line.startswith("Joined run") and " as alice: " in line for line in alice.lines)  # the token's name
+    time.sleep(3)  # the monitor's next look
+    with MetricsReader(tmp_path / "coordinator" / "metrics.sqlite") as reader:
+        assert [(row.name, row.samples) for row in reader.peers()] == [
+            ("alice", int(alice.wait_for(r"contributed (\d+) samples", timeout=1).group(1)))]
