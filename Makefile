@@ -5,13 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test dashboard install install-dev
+.PHONY: demo test dashboard bench install install-dev
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
 dashboard: $(VENV)/.installed
 	$(PY) -m dashboard.launch $(if $(STORE),--store $(STORE))
+
+bench: $(VENV)/.installed
+	$(PY) -m hivetrain.bench $(or $(SUITE),join)
 
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh

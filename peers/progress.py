@@ -46,6 +46,8 @@ class SwarmProgress(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         raise_if_leaving()
+        if not self.samples:
+            print(f"First local step done: contributing toward swarm epoch {trainer.strategy.local_epoch}", flush=True)
         self.samples += self.batch_size
         if isinstance(outputs, dict) and "loss" in outputs:
             self._losses.append(float(outputs["loss"]))
