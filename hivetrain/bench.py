@@ -74,9 +74,27 @@ def _epoch(role: Role) -> int:
                default=0)
 
 
+IMPORT_STACK = ["torch", "hivemind", "lightning.pytorch", "timm"]  # what a peer imports before it can do anything
+
+
+def import_seconds(repeats: int) -> dict[str, float]:
+    """Median seconds a fresh interpreter takes to import torch, then torch + hivemind, and so on."""
+    seconds = {}
+    for depth in range(1, len(IMPORT_STACK) + 1):
+        modules = ", ".join(IMPORT_STACK[:depth])
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-c", f"import {modules}"], cwd=ROOT, check=True, capture_output=True)
+            times.append(time.perf_counter() - started)
+        seconds[modules] = statistics.median(times)
+    return seconds
+
+
 def join_suite(work: Path, joiners: int) -> dict:
     """A coordinator and a seed peer that keeps training; `joiners` peers join one after another. For each: seconds
     from its process start to "Joined the swarm" (state downloaded) and to its first local step."""
+    imports = import_seconds(repeats=1 if joiners == 1 else 3)  # on the idle machine, before any role starts
     roles: list[Role] = []
     try:
         coordinator = Role(["coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", "0",
@@ -105,7 +123,7 @@ def join_suite(work: Path, joiners: int) -> dict:
                                 epoch=int(match.group(1))))
             print(f"joiner {index}: state loaded after {results[-1]['state_loaded_s']:.1f} s (epoch"
                   f" {results[-1]['epoch']}), first step after {results[-1]['first_step_s']:.1f} s", flush=True)
-        return dict(preset="demo", joiners=results,
+        return dict(preset="demo", joiners=results, import_seconds=imports,
                     median_state_loaded_s=statistics.median(r["state_loaded_s"] for r in results),
                     median_first_step_s=statistics.median(r["first_step_s"] for r in results))
     finally:
@@ -140,7 +158,10 @@ def _join_section(result: dict, env: dict) -> str:
         f"{rows}\n\n"
         f"Median: state loaded after {result['median_state_loaded_s']:.1f} s, first local step after"
         f" {result['median_first_step_s']:.1f} s (target: ≤ 10 s; plain hivemind 1.1.12 measured 7.8 s and 9.2 s"
-        " on this kind of machine).\n"
+        " on this kind of machine).\n\n"
+        "Where the time goes before anything runs: a fresh interpreter's imports, measured on the idle machine before"
+        " the roles start (median of 3):\n\n| imports | seconds |\n|---|---:|\n"
+        + "".join(f"| {modules} | {seconds:.1f} |\n" for modules, seconds in result["import_seconds"].items())
     )
 
 
