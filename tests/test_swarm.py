@@ -95,7 +95,11 @@ def test_late_joiner_downloads_current_state(swarm_run):
     # Then it trains with the swarm to the end.
     epoch_c, _ = _load(tmp / "c.safetensors")
     assert epoch_c == STOP_AT
-    assert [epoch for epoch, _, _ in _epoch_lines(peers["c"])][0] == joined_at + 1
+    # Its first epoch line continues from where it joined: the next epoch, or a later one when it missed its first
+    # round and loaded the swarm's newer state (SwarmOptimizer reloads rather than drift); never back from scratch.
+    epochs_c = [epoch for epoch, _, _ in _epoch_lines(peers["c"])]
+    assert joined_at < epochs_c[0] <= joined_at + 3, (joined_at, epochs_c)
+    assert epochs_c == sorted(epochs_c)
 
 
 def _contributed(process: Process) -> int:
