@@ -68,10 +68,6 @@ class AccessGrant:
     def expired(self) -> bool:
         return self.expires <= time.time()
 
-    def is_signed_by(self, authority: RSAPublicKey) -> bool:
-        return authority.to_bytes() == self.authority and authority.verify(_payload(self.name, self.expires),
-                                                                           self.signature)
-
 
 def parse_lifetime(text: str) -> int:
     """'7d', '12h', '30m', '3600s' or plain seconds -> seconds."""

@@ -18,7 +18,6 @@ from hivemind.utils.multiaddr import Multiaddr
 
 DIAL_BACK = "hivetrain.dial_back"
 DIAL_TIMEOUT = 10.0  # seconds the coordinator tries to dial a peer back
-MAX_LINE = 64 * 1024
 
 
 @dataclass

@@ -203,11 +203,13 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+        if maybe_step_control is None:  # no round was begun (no other peers): nothing was missed
+            self._missed_round = False
+            return
         try:
-            averaged = maybe_step_control is not None and maybe_step_control.done() and maybe_step_control.exception() is None
-        except BaseException:
-            averaged = False
-        self._missed_round = maybe_step_control is not None and not averaged
+            self._missed_round = not maybe_step_control.done() or maybe_step_control.exception() is not None
+        except BaseException:  # a cancelled round
+            self._missed_round = True
 
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None, batch_size: Optional[int] = None,
              grad_scaler: Optional[hivemind.GradScaler] = None):
@@ -238,7 +240,8 @@ class SwarmOptimizer(hivemind.Optimizer):
         return all(torch.isfinite(g).all() for g in gradients)
 
 
-def optimizer_recipe(optimizer: torch.optim.Optimizer, scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None):
+def optimizer_recipe(optimizer: torch.optim.Optimizer,
+                     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None):
     """What hivemind needs to build a configured torch optimizer (and LambdaLR scheduler) itself, so that it can
     offload it: (param_groups, optimizer factory, scheduler factory or None). The class, hyperparameters, param groups
     and LR lambdas carry over unchanged."""

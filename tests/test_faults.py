@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
 from netns import VethNamespace
+from s3server import free_ports
 
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
 POISONED_STEPS = 3
@@ -63,12 +63,6 @@ def _wait(condition, what: str, processes: list[Process], timeout: float = TIMEO
         assert time.monotonic() < deadline, f"no {what} within {timeout} s; logs: {[str(p.log) for p in processes]}"
         time.sleep(0.2)
     return result
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _finite_weights(path: Path) -> bool:
@@ -113,7 +107,7 @@ def run(tmp_path_factory):
         started.append(Process(list(args), tmp / f"{name}.log", prefix=prefix))
         return started[-1]
 
-    port = _free_port(host)
+    port = free_ports(1)[0]
     coordinator_args = ["coordinator/start.py", "--preset", "demo", "--host", host, "--port", str(port),
                         "--identity", str(tmp / "coordinator.key"), "--log-dir", str(tmp / "run"), "--refresh", "1"]
 
