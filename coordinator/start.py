@@ -11,6 +11,7 @@ joiners, validates that state every few swarm epochs, and keeps the best checkpo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import threading
@@ -22,7 +23,7 @@ DEFAULT_PORT = 31337
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hivetrain.config import DEFAULT_PRESET, PRESETS
+    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS
 
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py",
@@ -47,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--authority-key", default=None, metavar="FILE",
                      help="the key that signs the run's tokens (default: ~/.cache/hivetrain/<run-id>/authority.key;"
                           " created on first use)")
+    swarm = parser.add_argument_group("swarm settings (published to every peer; default: the preset's)")
+    swarm.add_argument("--target-batch-size", type=int, default=None, metavar="N",
+                       help="samples the swarm accumulates per optimizer step (one swarm epoch)")
+    swarm.add_argument("--matchmaking-time", type=float, default=None, metavar="S",
+                       help="seconds a peer waits for others to form an averaging group")
+    swarm.add_argument("--grad-compression", choices=COMPRESSIONS, default=None,
+                       help="how gradients travel when peers average them")
+    swarm.add_argument("--state-compression", choices=COMPRESSIONS, default=None,
+                       help="how parameters and optimizer state travel (averaging and joiners' downloads)")
     watch = parser.add_argument_group("monitoring and validation")
     watch.add_argument("--refresh", type=float, default=10.0, help="seconds between looks at the swarm (default: %(default)s)")
     watch.add_argument("--log-dir", default=None, metavar="DIR",
@@ -76,7 +86,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--val-limit must be at least 1")
     if args.keep_last < 0:
         parser.error("--keep-last must be 0 or more")
+    if args.target_batch_size is not None and args.target_batch_size < 1:
+        parser.error("--target-batch-size must be at least 1")
+    if args.matchmaking_time is not None and args.matchmaking_time <= 0:
+        parser.error("--matchmaking-time must be positive")
     return args
+
+
+def run_config(args: argparse.Namespace):
+    """The preset, renamed and with the swarm settings given on the command line."""
+    from hivetrain.config import get_preset
+
+    config = get_preset(args.preset)
+    if args.run_id:
+        config = config.replace(run_id=args.run_id)
+    overrides = dict(target_batch_size=args.target_batch_size, matchmaking_time=args.matchmaking_time,
+                     grad_compression=args.grad_compression, state_compression=args.state_compression)
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    if overrides.get("target_batch_size", config.batch_size) < config.batch_size:
+        raise ValueError(f"--target-batch-size {args.target_batch_size} is below the run's per-step batch"
+                         f" ({config.batch_size}): one local step would already overshoot a swarm epoch")
+    return config.replace(swarm=dataclasses.replace(config.swarm, **overrides)) if overrides else config
 
 
 def status_line(snapshot) -> str:
@@ -141,7 +171,6 @@ def _run(args: argparse.Namespace) -> int:
     from botocore.exceptions import BotoCoreError, ClientError
 
     from hivetrain.checkpoint import CheckpointError, load_checkpoint, open_store
-    from hivetrain.config import get_preset
     from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
@@ -153,9 +182,7 @@ def _run(args: argparse.Namespace) -> int:
     # validation data. Only then does the coordinator join the swarm.
     resources = []  # closed in reverse order on the way out
     try:
-        config = get_preset(args.preset)
-        if args.run_id:
-            config = config.replace(run_id=args.run_id)
+        config = run_config(args)
         resume = None
         if args.resume:
             resume = load_checkpoint(args.resume, endpoint_url=args.s3_endpoint_url)

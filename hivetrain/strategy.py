@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -180,10 +181,16 @@ class SwarmOptimizer(hivemind.Optimizer):
     parameters may be what went wrong. With fp16 the gradient scaler already skips overflowing steps: it is left to it.
     A step whose closure returns None (Lightning: training_step returned None) counts no samples.
 
+    `swarm_seconds` adds up the wall time this peer spent on the swarm rather than on its own batches: the steps that
+    end a swarm epoch (waiting for a group, gradient all-reduce, the optimizer step, state averaging) and state
+    downloads. The benchmarks report it as the time outside compute.
+
     Its averagers time matchmaking requests out well inside the matchmaking window. hivemind gives `averager_opts` to
     the state averager only, so the gradient averager kept a 3 s request timeout against a 1 s window: two peers that
     raced apart then asked each other to lead, waited, and missed every round ("could not find a group").
     """
+
+    swarm_seconds = 0.0
 
     def _make_gradient_averager(self, factory, **kwargs):
         kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
@@ -211,6 +218,13 @@ class SwarmOptimizer(hivemind.Optimizer):
         except BaseException:  # a cancelled round
             self._missed_round = True
 
+    def load_state_from_peers(self, **kwargs) -> None:
+        started = time.perf_counter()
+        try:
+            super().load_state_from_peers(**kwargs)
+        finally:
+            self.swarm_seconds += time.perf_counter() - started
+
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None, batch_size: Optional[int] = None,
              grad_scaler: Optional[hivemind.GradScaler] = None):
         loss = None
@@ -225,7 +239,10 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.load_state_from_peers()
             return loss
         self._missed_round = False
+        seconds, epoch, started = self.swarm_seconds, self.local_epoch, time.perf_counter()
         super().step(batch_size=batch_size, grad_scaler=grad_scaler)
+        if self.local_epoch != epoch:  # the whole step was the swarm's (a state download inside it included)
+            self.swarm_seconds = seconds + time.perf_counter() - started
         if self._missed_round and self.tracker.global_progress.num_peers > 1:
             # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
             # drift one epoch apart (where each peer's rounds come when the others are not looking).

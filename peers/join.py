@@ -257,8 +257,10 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
     except SystemExit:  # Lightning's answer to Ctrl-C: it has torn down (goodbye to peers), then exits 1
         if not trainer.interrupted:
             raise
+    swarm_share = (f"; of {progress.train_seconds:.1f} s training, {progress.swarm_seconds:.1f} s in swarm rounds"
+                   f" and state downloads" if progress.train_seconds else "")
     print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
-          f" contributed {progress.samples} samples.", flush=True)
+          f" contributed {progress.samples} samples{swarm_share}.", flush=True)
     if args.save_weights:
         save_weights(Path(args.save_weights), module.model, config, progress.epoch)
         print(f"Saved the weights to {args.save_weights}", flush=True)

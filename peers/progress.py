@@ -26,22 +26,33 @@ class SwarmProgress(pl.Callback):
         self._losses: list[float] = []  # since the last epoch line
         self._published = (time.monotonic(), 0)  # when, and at how many samples
         self._recent_losses: list[float] = []  # since the last record
+        self.train_seconds = 0.0  # wall time from the first step on
+        self.swarm_seconds = 0.0  # of which in swarm rounds and state downloads (SwarmOptimizer.swarm_seconds)
+        self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
+        self._train_started: Optional[float] = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._wait_for_peers(trainer)
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
-        self._epoch_started = time.monotonic()
+        self._epoch_started = self._train_started = time.monotonic()
+        self._swarm_seconds_before = trainer.strategy.optimizer.swarm_seconds
         print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
         self._published = (time.monotonic(), 0)
         self._publish(trainer)
         self._maybe_stop(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
+        self._finish(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, KeyboardInterrupt):  # Ctrl-C or SIGTERM: Lightning skips on_train_end then
-            self._publish(trainer, wait=True)
+            self._finish(trainer)
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        if self._train_started is not None and trainer.strategy.optimizer is not None:
+            self.train_seconds = time.monotonic() - self._train_started
+            self.swarm_seconds = trainer.strategy.optimizer.swarm_seconds - self._swarm_seconds_before
+        self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -1,5 +1,6 @@
 """The benchmark suites run (a smoke-sized run of each) and write their section of the logbook page."""
 
+import json
 import subprocess
 import sys
 
@@ -7,12 +8,48 @@ from conftest import ROOT
 from hivetrain import bench
 
 
-def test_join_suite_smoke():
-    done = subprocess.run([sys.executable, "-m", "hivetrain.bench", "join", "--smoke"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+def smoke(suite: str) -> tuple[dict, str]:
+    """Run a suite's smoke version; returns its result and the section it rendered."""
+    done = subprocess.run([sys.executable, "-m", "hivetrain.bench", suite, "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "joiner 0: state loaded after" in done.stdout
-    assert '"median_first_step_s"' in done.stdout
+    result_text, section = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
+    return json.loads(result_text + "\n}"), section
+
+
+def test_join_suite_smoke():
+    result, section = smoke("join")
+    assert 0 < result["joiners"][0]["state_loaded_s"] <= result["joiners"][0]["first_step_s"]
+    assert section.startswith("## join") and "| 0 |" in section
+
+
+def test_throughput_suite_smoke():
+    result, section = smoke("throughput")
+    assert result["single_samples_per_s"] > 0 and result["ddp_samples_per_s"] > 0
+    [swarm] = result["swarms"]
+    assert swarm["target_batch_size"] == 4 * result["batch_size"]  # the coordinator's setting reached the peers
+    assert swarm["samples_per_s"] > 0 and swarm["epochs"] >= 1
+    assert all(0 < share < 1 for share in swarm["swarm_time_share"])
+    assert "| swarm, target batch 128 (4x) |" in section
+
+
+def test_communication_suite_smoke():
+    result, section = smoke("communication")
+    plain, fp16 = result["results"]
+    assert plain["compression"] == "none" and fp16["compression"] == "fp16"
+    # the compression chosen by the coordinator really reaches the wire: half-size tensors in every round
+    assert 0 < fp16["bytes_per_sample"] < plain["bytes_per_sample"]
+    assert all(0.1 < top1 <= 1 for run in result["results"] for top1 in run["top1"])  # trained, not chance
+    assert "| fp16 |" in section
+
+
+def test_convergence_suite_smoke():
+    result, section = smoke("convergence")
+    curves = result["curves"]
+    assert set(curves) == {"single", "DDP", "swarm"}
+    for name, curve in curves.items():
+        assert curve and curve[-1][1] > 0.2, name  # well above chance (0.1) after one pass over the data
+    assert "benchmarks-convergence.png" in section
 
 
 def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):

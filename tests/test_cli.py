@@ -94,3 +94,21 @@ def test_second_coordinator_on_a_busy_port(spawn, tmp_path):
     second = spawn("second", "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", str(port),
                    "--identity", str(tmp_path / "second.key"), "--log-dir", str(tmp_path / "second"))
     assert_clean_error(second, second.wait(timeout=60), r"cannot listen on .*another coordinator")
+
+
+def test_swarm_settings_change_the_published_run_config():
+    from coordinator.start import parse_args, run_config
+
+    preset = get_preset("demo")
+    config = run_config(parse_args(["--preset", "demo", "--target-batch-size", "256", "--grad-compression", "fp16"]))
+    assert config.swarm.target_batch_size == 256 and config.swarm.grad_compression == "fp16"
+    assert config.swarm.state_compression == preset.swarm.state_compression and config.model == preset.model
+    assert config.fingerprint != preset.fingerprint  # a peer holding the plain preset refuses this run
+    assert run_config(parse_args(["--preset", "demo"])) == preset
+
+
+def test_target_batch_below_the_step_batch_is_refused(spawn, tmp_path):
+    coordinator = spawn("coordinator", "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port",
+                        "0", "--log-dir", str(tmp_path / "run"), "--target-batch-size", "8")
+    assert_clean_error(coordinator, coordinator.wait(timeout=60),
+                       r"--target-batch-size 8 is below the run.s per-step batch \(32\)")
