@@ -109,15 +109,18 @@ def run_config(args: argparse.Namespace):
     return config.replace(swarm=dataclasses.replace(config.swarm, **overrides)) if overrides else config
 
 
-def status_line(snapshot) -> str:
+def status_line(snapshot, looked_seconds: float) -> str:
+    """What the coordinator prints after each look at the swarm; how long the look took shows when the monitor
+    starts to lag behind a large swarm."""
+    looked = f" | looked in {looked_seconds:.2f} s"
     if not snapshot.alive_peers:
-        return f"swarm epoch {snapshot.epoch} | waiting for peers"
+        return f"swarm epoch {snapshot.epoch} | waiting for peers{looked}"
     clients = f" ({snapshot.clients} in client mode)" if snapshot.clients else ""
     eta = f", next in ~{snapshot.eta_seconds:.0f} s" if snapshot.eta_seconds is not None else ""
     loss = f" | loss {snapshot.mean_loss:.3f}" if snapshot.mean_loss is not None else ""
     return (f"swarm epoch {snapshot.epoch} | {snapshot.alive_peers} peer{'s' if snapshot.alive_peers > 1 else ''}"
             f"{clients} | {snapshot.samples_per_second:.0f} samples/s | {snapshot.samples_accumulated}/"
-            f"{snapshot.target_batch_size} samples toward the next epoch{eta}{loss}")
+            f"{snapshot.target_batch_size} samples toward the next epoch{eta}{loss}{looked}")
 
 
 def authority_path(authority_key: str | None, run_id: str) -> Path:
@@ -288,7 +291,9 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                     logging.warning("Could not store the run's configuration in the DHT; retrying")
                 next_publish = now + RUN_RECORD_TTL / 3
             if now >= next_refresh:
-                print(status_line(monitor.refresh()), flush=True)
+                looked = time.perf_counter()
+                snapshot = monitor.refresh()
+                print(status_line(snapshot, time.perf_counter() - looked), flush=True)
                 if validation is not None and validation.ident is None:
                     validation.start()  # after the first look: it needs to know where the swarm is
                 next_refresh = now + args.refresh

@@ -52,6 +52,15 @@ def test_convergence_suite_smoke():
     assert "benchmarks-convergence.png" in section
 
 
+def test_scale_suite_smoke():
+    result, section = smoke("scale")
+    [two] = result["results"]
+    assert two["peers"] == 2 and two["epochs"] >= 1
+    assert 0 < two["coordinator_cpu_percent"] < 200 and two["coordinator_rss_bytes"] > 50 * 2**20
+    assert two["look_seconds"] > 0 and two["store_read_seconds"] > 0
+    assert section.startswith("## scale") and "\n| 2 |" in section
+
+
 def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PAGE", tmp_path / "benchmarks.md")
     bench.write_section("join", "## join\n\nfirst\n")
