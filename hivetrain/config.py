@@ -131,6 +131,18 @@ PRESETS: dict[str, RunConfig] = {
         swarm=SwarmConfig(target_batch_size=128, matchmaking_time=1.0, averaging_timeout=10.0),
         batch_size=32,
     ),
+    # The mission's model (ViT-B/32, 88M parameters, random weights) on the bundled digits at 32 px: one patch per
+    # image, so a CPU trains it quickly while the swarm moves the mission's full state. For join and transfer
+    # benchmarks, not for accuracy.
+    "digits-vit-b32": RunConfig(
+        run_id="hivetrain-digits-vit-b32",
+        preset="digits-vit-b32",
+        model=ModelConfig(name="vit_base_patch32_224", img_size=32, num_classes=10),
+        data=DataConfig(dataset="digits"),
+        optim=OptimConfig(lr=1e-4, weight_decay=0.05, warmup_steps=5, total_steps=100),
+        swarm=SwarmConfig(target_batch_size=64, matchmaking_time=3.0, averaging_timeout=60.0),
+        batch_size=16,
+    ),
     # The mission: pretrained ViT-B/32 fine-tuned on CIFAR-10 at 224 px, 25 passes over the training set.
     "cifar10-vit-b32": RunConfig(
         run_id="hivetrain-cifar10-vit-b32",

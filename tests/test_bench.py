@@ -19,7 +19,8 @@ def smoke(suite: str) -> tuple[dict, str]:
 
 def test_join_suite_smoke():
     result, section = smoke("join")
-    assert 0 < result["joiners"][0]["state_loaded_s"] <= result["joiners"][0]["first_step_s"]
+    [run] = result["runs"]
+    assert run["preset"] == "demo" and 0 < run["joiners"][0]["state_loaded_s"] <= run["joiners"][0]["first_step_s"]
     assert section.startswith("## join") and "| 0 |" in section
 
 
