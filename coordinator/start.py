@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="how gradients travel when peers average them")
     swarm.add_argument("--state-compression", choices=COMPRESSIONS, default=None,
                        help="how parameters and optimizer state travel (averaging and joiners' downloads)")
+    swarm.add_argument("--average-state-every", type=int, default=None, metavar="EPOCHS",
+                       help="swarm epochs between parameter and optimizer-state averaging rounds")
     watch = parser.add_argument_group("monitoring and validation")
     watch.add_argument("--refresh", type=float, default=10.0, help="seconds between looks at the swarm (default: %(default)s)")
     watch.add_argument("--log-dir", default=None, metavar="DIR",
@@ -88,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--keep-last must be 0 or more")
     if args.target_batch_size is not None and args.target_batch_size < 1:
         parser.error("--target-batch-size must be at least 1")
+    if args.average_state_every is not None and args.average_state_every < 1:
+        parser.error("--average-state-every must be at least 1")
     if args.matchmaking_time is not None and args.matchmaking_time <= 0:
         parser.error("--matchmaking-time must be positive")
     return args
@@ -101,7 +105,8 @@ def run_config(args: argparse.Namespace):
     if args.run_id:
         config = config.replace(run_id=args.run_id)
     overrides = dict(target_batch_size=args.target_batch_size, matchmaking_time=args.matchmaking_time,
-                     grad_compression=args.grad_compression, state_compression=args.state_compression)
+                     grad_compression=args.grad_compression, state_compression=args.state_compression,
+                     average_state_every=args.average_state_every)
     overrides = {key: value for key, value in overrides.items() if value is not None}
     if overrides.get("target_batch_size", config.batch_size) < config.batch_size:
         raise ValueError(f"--target-batch-size {args.target_batch_size} is below the run's per-step batch"

@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "logbook" / "benchmarks.md"
@@ -41,13 +43,39 @@ class Role:
                                       stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
                                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self._log = log
+        self.cpu: list[tuple[float, float, float]] = []  # (time, CPU seconds of the main process, of its descendants)
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._sample_cpu, daemon=True).start()
 
     def _read(self) -> None:
         with self._log.open("w") as out:
             for line in self.popen.stdout:
                 out.write(line)
                 self.lines.append((time.time(), line.rstrip("\n")))
+
+    def _sample_cpu(self) -> None:
+        """Every second: the CPU time (user + system) of the role's main process and of its descendants (a peer's DHT
+        and averager processes, p2pd)."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(self.popen.pid)
+            while self.popen.poll() is None:
+                main, descendants = sum(process.cpu_times()[:2]), 0.0
+                for child in process.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        descendants += sum(child.cpu_times()[:2])
+                self.cpu.append((time.time(), main, descendants))
+                time.sleep(1.0)
+
+    def cpu_between(self, start: float, end: float) -> tuple[float, float]:
+        """CPU seconds of the main process and of its descendants between the first sample at or after `start` and
+        the last at or before `end`, per second of that span."""
+        inside = [sample for sample in list(self.cpu) if start <= sample[0] <= end]
+        if len(inside) < 2:
+            raise RuntimeError(f"too few CPU samples of {self._log} between {start:.0f} and {end:.0f}")
+        (t0, main0, rest0), (t1, main1, rest1) = inside[0], inside[-1]
+        return (main1 - main0) / (t1 - t0), (rest1 - rest0) / (t1 - t0)
 
     def first(self, pattern: str) -> tuple[float, re.Match] | None:
         for arrived, line in list(self.lines):
@@ -63,6 +91,13 @@ class Role:
             time.sleep(0.05)
         return found
 
+    def leave(self, timeout: float = 60.0) -> None:
+        """Stop the role as a user does (SIGTERM to its main process, which shuts its own processes down); waits."""
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout)
+
     def stop(self) -> None:
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, 15)
@@ -73,6 +108,12 @@ class Role:
                 self.popen.wait()
 
 
+def _validated_epoch(coordinator: Role) -> int:
+    """The newest swarm epoch the coordinator has validated (-1 before its first validation)."""
+    return max((int(m.group(1)) for _, line in list(coordinator.lines)
+                if (m := re.match(r"validation at swarm epoch (\d+):", line))), default=-1)
+
+
 def _epoch(role: Role) -> int:
     return max((int(m.group(1)) for _, line in list(role.lines) if (m := re.match(r"swarm epoch (\d+) ", line))),
                default=0)
@@ -80,10 +121,10 @@ def _epoch(role: Role) -> int:
 
 def start_coordinator(work: Path, name: str, options: list[str], preset: str = "demo") -> tuple[Role, list[str]]:
     """A coordinator of `preset` on loopback that only bootstraps and monitors (no validation unless `options` ask
-    for it); returns it with the addresses peers join."""
+    for it; a look at the swarm every 10 s, its default); returns it with the addresses peers join."""
     coordinator = Role(["coordinator/start.py", "--preset", preset, "--host", "127.0.0.1", "--port", "0",
                         "--identity", str(work / f"{name}.key"), "--log-dir", str(work / name),
-                        "--validate-every", "0", "--refresh", "2", *options], work / f"{name}-coordinator.log")
+                        "--validate-every", "0", *options], work / f"{name}-coordinator.log")
     try:
         _, match = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=120)
     except RuntimeError:
@@ -92,12 +133,13 @@ def start_coordinator(work: Path, name: str, options: list[str], preset: str = "
     return coordinator, match.group(1).split()
 
 
-def run_baseline(work: Path, name: str, options: list[str]) -> dict:
-    """One baselines/run.py run of the demo preset; returns its run record."""
+def run_baseline(work: Path, name: str, options: list[str], preset: str = "demo") -> dict:
+    """One baselines/run.py run of `preset`; returns its run record."""
     records = work / f"{name}-records"
     log = work / f"{name}.log"
     with log.open("w") as out:
-        finished = subprocess.run([sys.executable, "baselines/run.py", "--preset", "demo", "--progress-bar", "off", "--out-dir", str(work / name), "--record-dir",
+        finished = subprocess.run([sys.executable, "baselines/run.py", "--preset", preset, "--progress-bar", "off",
+                                   "--out-dir", str(work / name), "--record-dir",
                                    str(records), *options], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     if finished.returncode != 0:
         raise RuntimeError(f"baseline {name} failed (exit code {finished.returncode}); see {log}")
@@ -109,10 +151,12 @@ EPOCH_LINE = r"^swarm epoch (\d+) .*this peer: (\d+) samples"
 LEAVING_LINE = r"of ([\d.]+) s training, ([\d.]+) s in swarm rounds"
 
 
-def swarm_window(peers: list[Role]) -> dict:
+def swarm_window(coordinator: Role, peers: list[Role]) -> dict:
     """Samples/s of a swarm while all its peers train: from each peer's epoch lines (its cumulative samples) between
-    the moment the last peer started and the moment the first one stopped reporting; and each peer's share of its
-    training time spent in swarm rounds and state downloads (from its leaving line)."""
+    the moment the last peer started and the moment the first one stopped reporting; each peer's share of its
+    training time spent in swarm rounds and state downloads (from its leaving line); and where the CPU went in that
+    window: the peers' training processes, and everything else (their DHT, averager and p2pd processes, the
+    coordinator), in cores."""
     started = max(peer.wait_for(r"^Starting at swarm epoch", timeout=1)[0] for peer in peers)
     lines = [[(arrived, int(m.group(1)), int(m.group(2))) for arrived, line in list(peer.lines)
               if (m := re.match(EPOCH_LINE, line)) and arrived >= started] for peer in peers]
@@ -131,18 +175,25 @@ def swarm_window(peers: list[Role]) -> dict:
         shares.append(float(match.group(2)) / float(match.group(1)))
     epochs = max(line[1] for peer_lines in lines for line in peer_lines) - min(peer_lines[0][1] for peer_lines in lines)
     missed = sum(1 for peer in peers for _, line in list(peer.lines) if "Missed the swarm's averaging round" in line)
+    training_cores = background_cores = 0.0
+    for role in (coordinator, *peers):
+        main, descendants = role.cpu_between(started, ended)
+        training_cores += main if role is not coordinator else 0.0
+        background_cores += descendants + (main if role is coordinator else 0.0)
     return dict(samples_per_s=rate, window_s=ended - started, epochs=epochs, swarm_time_share=shares,
-                missed_rounds=missed)
+                missed_rounds=missed, training_cores=training_cores, background_cores=background_cores)
 
 
 def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
-              timeout: float) -> tuple[Role, list[Role]]:
+              timeout: float, preset: str = "demo", until: Optional[Callable[[Role], bool]] = None
+              ) -> tuple[Role, list[Role]]:
     """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
-    `peer_options` make them leave ("{index}" in an option becomes the peer's index); returns the stopped roles, their
-    output kept."""
+    `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
+    holds for the coordinator (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
+    roles, their output kept."""
     roles: list[Role] = []
     try:
-        coordinator, addresses = start_coordinator(work, name, coordinator_options)
+        coordinator, addresses = start_coordinator(work, name, coordinator_options, preset)
         roles.append(coordinator)
         for index in range(peers):
             roles.append(Role(["peers/join.py", "--initial-peers", *addresses, "--name", f"{name}-{index}",
@@ -151,6 +202,14 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
                                                           for option in peer_options)],
                               work / f"{name}-peer-{index}.log"))
         deadline = time.monotonic() + timeout
+        while until is not None and not until(coordinator):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not get where it should within {timeout:.0f} s; see {work}")
+            if any(peer.popen.poll() is not None for peer in roles[1:]):
+                raise RuntimeError(f"a peer of {name} left early; see {work}")
+            time.sleep(0.2)
+        for peer in roles[1:] if until is not None else ():
+            peer.leave()
         for peer in roles[1:]:
             try:
                 peer.popen.wait(max(1.0, deadline - time.monotonic()))
@@ -164,32 +223,52 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
             role.stop()
 
 
-THROUGHPUT_MULTIPLES = (4, 8, 32)  # target batch = this many per-step batches
+THROUGHPUT_PRESET = "digits-vit-tiny"  # ViT-Tiny at 32 px: as much compute per sample as plain hivemind was measured on
+# (target batch as a multiple of the per-step batch, swarm epochs between state averaging rounds, seconds of training)
+THROUGHPUT_SWARMS = ((4, 1, 75), (8, 1, 75), (8, 10, 90), (32, 1, 150))
 
 
 def throughput_suite(work: Path, smoke: bool) -> dict:
     """Samples/s on equal hardware (two processes, one torch thread each; one process with two threads for single)
-    of single, DDP and a 2-peer swarm, the swarm at target batches of 4x, 8x and 32x the per-step batch."""
+    of single, DDP and a 2-peer swarm, the swarm at target batches of 4x, 8x and 32x the per-step batch, and at 8x
+    with parameter averaging every 10 swarm epochs instead of every one. DDP runs before and after the swarms: this
+    machine's speed drifts, the mean of both is the reference."""
     batch = 32
-    steps = 4 if smoke else 60  # DDP steps of 2 x 32 samples: about a minute here
+    steps = 4 if smoke else 60  # DDP steps of 2 x 32 samples: over a minute here
+
+    def ddp(name: str) -> dict:
+        return run_baseline(work, name, ["--strategy", "ddp", "--devices", "2", "--threads", "1", "--batch-size",
+                                         str(batch), "--epochs", "1000", "--max-steps", str(steps), "--val-limit",
+                                         "0"], THROUGHPUT_PRESET)
+
     single = run_baseline(work, "single", ["--strategy", "single", "--threads", "2", "--batch-size", str(batch),
-                                           "--epochs", "1000", "--max-steps", str(2 * steps), "--val-limit", "0"])
-    ddp = run_baseline(work, "ddp", ["--strategy", "ddp", "--devices", "2", "--threads", "1", "--batch-size",
-                                     str(batch), "--epochs", "1000", "--max-steps", str(steps), "--val-limit", "0"])
-    print(f"single: {single['samples_per_s']:.1f} samples/s; DDP: {ddp['samples_per_s']:.1f} samples/s", flush=True)
+                                           "--epochs", "1000", "--max-steps", str(2 * steps), "--val-limit", "0"],
+                          THROUGHPUT_PRESET)
+    ddp_before = ddp("ddp-before")
+    print(f"single: {single['samples_per_s']:.1f} samples/s; DDP: {ddp_before['samples_per_s']:.1f} samples/s",
+          flush=True)
     swarms = []
-    for multiple in THROUGHPUT_MULTIPLES[:1] if smoke else THROUGHPUT_MULTIPLES:
-        seconds = 25 if smoke else (150 if multiple >= 32 else 75)
-        _, peers = run_swarm(work, f"swarm-{multiple}x", 2, ["--target-batch-size", str(multiple * batch)],
-                             ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"], timeout=seconds + 180)
-        result = swarm_window(peers)
-        result.update(multiple=multiple, target_batch_size=multiple * batch,
-                      ratio_to_ddp=result["samples_per_s"] / ddp["samples_per_s"])
+    for multiple, state_every, seconds in THROUGHPUT_SWARMS[:1] if smoke else THROUGHPUT_SWARMS:
+        seconds = 30 if smoke else seconds
+        coordinator, peers = run_swarm(
+            work, f"swarm-{multiple}x-state{state_every}", 2,
+            ["--target-batch-size", str(multiple * batch), "--average-state-every", str(state_every)],
+            ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"], timeout=seconds + 180,
+            preset=THROUGHPUT_PRESET)
+        result = swarm_window(coordinator, peers)
+        result.update(multiple=multiple, target_batch_size=multiple * batch, average_state_every=state_every)
         swarms.append(result)
-        print(f"swarm at {multiple}x: {result['samples_per_s']:.1f} samples/s ({result['ratio_to_ddp']:.2f}x DDP),"
-              f" {result['epochs']} epochs, time in swarm rounds {result['swarm_time_share']}", flush=True)
-    return dict(preset="demo", batch_size=batch, single_samples_per_s=single["samples_per_s"],
-                ddp_samples_per_s=ddp["samples_per_s"], swarms=swarms)
+        print(f"swarm at {multiple}x, state averaged every {state_every} epoch(s): {result['samples_per_s']:.1f}"
+              f" samples/s, {result['epochs']} epochs, time in swarm rounds {result['swarm_time_share']}, training"
+              f" {result['training_cores']:.2f} cores, background {result['background_cores']:.2f}", flush=True)
+    ddp_after = ddp("ddp-after")
+    reference = (ddp_before["samples_per_s"] + ddp_after["samples_per_s"]) / 2
+    for result in swarms:
+        result["ratio_to_ddp"] = result["samples_per_s"] / reference
+    print(f"DDP after the swarms: {ddp_after['samples_per_s']:.1f} samples/s", flush=True)
+    return dict(preset=THROUGHPUT_PRESET, batch_size=batch, single_samples_per_s=single["samples_per_s"],
+                ddp_samples_per_s=reference, ddp_runs_samples_per_s=[ddp_before["samples_per_s"],
+                                                                    ddp_after["samples_per_s"]], swarms=swarms)
 
 
 def loopback_bytes() -> int:
@@ -265,8 +344,10 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     curves = {name: [(point["step"] * record["global_batch_size"], point["top1"]) for point in record["validation"]]
               for name, record in (("single", single), ("DDP", ddp))}
     swarm_epochs = single["train_samples"] // global_batch
-    run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1"],
-              ["--stop-at-epoch", str(swarm_epochs)], timeout=900)
+    # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
+    # downloads each state from them, so they must still be there (on this preset they are far faster than it).
+    run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2"], [],
+              timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= swarm_epochs)
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
     for name, curve in curves.items():
@@ -454,10 +535,12 @@ def _join_section(result: dict, env: dict, out: Path) -> str:
 
 def _throughput_section(result: dict, env: dict, out: Path) -> str:
     rows = "".join(
-        f"| swarm, target batch {r['target_batch_size']} ({r['multiple']}x) | {r['samples_per_s']:.1f} |"
-        f" {r['ratio_to_ddp']:.2f} | {r['epochs']} in {r['window_s']:.0f} s, {r['missed_rounds']} missed |"
-        f" {', '.join(f'{share:.0%}' for share in r['swarm_time_share'])} |\n" for r in result["swarms"])
+        f"| swarm, target batch {r['target_batch_size']} ({r['multiple']}x), state averaged every"
+        f" {r['average_state_every']} | {r['samples_per_s']:.1f} | {r['ratio_to_ddp']:.2f} | {r['epochs']} in"
+        f" {r['window_s']:.0f} s, {r['missed_rounds']} missed | {', '.join(f'{share:.0%}' for share in r['swarm_time_share'])}"
+        f" | {r['training_cores']:.2f} | {r['background_cores']:.2f} |\n" for r in result["swarms"])
     single, ddp = result["single_samples_per_s"], result["ddp_samples_per_s"]
+    ddp_runs = " and ".join(f"{value:.1f}" for value in result["ddp_runs_samples_per_s"])
     return (
         "## throughput\n\n"
         f"{_measured_by('throughput', env)} The `{result['preset']}` preset, {result['batch_size']} samples per local"
@@ -465,13 +548,17 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
         " peers (plus the coordinator, which only bootstraps and monitors here), one process with two threads for"
         " single. The swarm's samples/s are summed over its peers' own counts between the moment both trained and"
         " the first one's last epoch line; the baselines' come from their run records (training time, start-up"
-        " excluded). Time in swarm rounds: each peer's share of its training wall time spent in the steps that end a"
-        " swarm epoch (finding a group, gradient all-reduce, optimizer step, state averaging) and in state"
-        " downloads.\n\n"
-        "| run | samples/s | x DDP | swarm epochs, missed rounds | time in swarm rounds (per peer) |\n"
-        "|---|---:|---:|---|---|\n"
-        f"| single, 2 threads | {single:.1f} | {single / ddp:.2f} | | |\n"
-        f"| DDP, 2 x 1 thread | {ddp:.1f} | 1.00 | | |\n"
+        f" excluded). DDP ran before and after the swarms ({ddp_runs} samples/s); x DDP is against their mean. Time"
+        " in swarm rounds: each peer's share of its training wall time spent in the steps that end a swarm epoch"
+        " (finding a group, gradient all-reduce, optimizer step, state averaging) and in state downloads. Cores:"
+        " CPU time per second over the same window, of the peers' training processes and of everything else the"
+        " swarm runs (each peer's DHT, averager and p2pd processes; the coordinator and its own); the machine has"
+        " two.\n\n"
+        "| run | samples/s | x DDP | swarm epochs, missed rounds | time in swarm rounds (per peer) | training cores"
+        " | background cores |\n"
+        "|---|---:|---:|---|---|---:|---:|\n"
+        f"| single, 2 threads | {single:.1f} | {single / ddp:.2f} | | | | |\n"
+        f"| DDP, 2 x 1 thread | {ddp:.1f} | 1.00 | | | | |\n"
         f"{rows}\n"
         "Target: a swarm at least 0.95x DDP from 8x the per-step batch on (plain hivemind 1.1.12 measured 0.46-0.58x at"
         " 256 and 0.79-0.84x at 1024 on this kind of machine).\n"
@@ -537,7 +624,9 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
         " many samples.\n\n"
         f"![Validation top-1 against samples seen]({plot.name})\n\n"
         "| samples seen | single | DDP | swarm |\n|---:|---:|---:|---:|\n"
-        f"{rows}"
+        f"{rows}\n"
+        "Every validation of the swarm (samples seen: top-1): "
+        + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves["swarm"]) + ".\n"
     )
 
 
@@ -551,8 +640,8 @@ def _scale_section(result: dict, env: dict, out: Path) -> str:
         f" {seconds(r['epoch_seconds'], 1)} |\n" for r in result["results"])
     return (
         "## scale\n\n"
-        f"{_measured_by('scale', env)} A coordinator (no validation, a look at the swarm every 2 s) and N peers of the"
-        f" `{result['preset']}` preset, one torch thread each, all on this machine's cores; measured over"
+        f"{_measured_by('scale', env)} A coordinator (no validation; a look at the swarm every 10 s, its default)"
+        f" and N peers of the `{result['preset']}` preset, one torch thread each, all on this machine's cores; measured over"
         f" {result['results'][0]['window_s']:.0f} s once every peer trains. Coordinator CPU and memory include its"
         " DHT, state-holder and p2pd processes (100% = one core). A look: reading every peer's record and hivemind's"
         " progress from the DHT and writing them to the store. Store reads: what one dashboard refresh reads"
@@ -599,12 +688,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run, section = SUITES[args.suite]
     env = _environment()
-    with tempfile.TemporaryDirectory(prefix=f"hivetrain-bench-{args.suite}-") as work:
-        result = run(Path(work), smoke=args.smoke)
-        print(json.dumps(result, indent=1))
-        if args.smoke:  # the page and its plots are rendered into the scratch folder, then thrown away
-            print(section(result, env, Path(work)))
-            return 0
+    work = Path(tempfile.mkdtemp(prefix=f"hivetrain-bench-{args.suite}-"))
+    result = run(work, smoke=args.smoke)  # on a failure the roles' logs stay in `work`: the error names them
+    print(json.dumps(result, indent=1))
+    if args.smoke:  # the page and its plots are rendered into the scratch folder, then thrown away
+        print(section(result, env, work))
+    shutil.rmtree(work)
+    if args.smoke:
+        return 0
     RECORDS.mkdir(parents=True, exist_ok=True)
     record = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
     record.write_text(json.dumps(dict(suite=args.suite, environment=env, result=result), indent=1) + "\n")

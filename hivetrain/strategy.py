@@ -9,7 +9,10 @@ gets hivemind's gradient scaler.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.optim.progress_tracker import ProgressTracker
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,6 +30,25 @@ from lightning.pytorch.trainer.states import TrainerFn
 from hivetrain.swarm import DHTOptions, start_dht
 
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _cuda_is_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _check_pinned_once(tensor: torch.Tensor) -> bool:
+    try:
+        return _cuda_is_available() and tensor.is_pinned()
+    except RuntimeError:  # as hivemind's own: torch could not initialise CUDA
+        return False
+
+
+# hivemind asks torch.cuda.is_available() for every tensor part it serialises. Lightning sets
+# PYTORCH_NVML_BASED_CUDA_CHECK=1 (so that forked processes may still use CUDA), which makes each of those calls try to
+# load NVML anew: on a machine without a GPU that costs the averager processes a few percent of a core. Availability
+# does not change while a process runs; ask once.
+hivemind.utils.tensor_descr._safe_check_pinned = _check_pinned_once
 
 COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
@@ -173,6 +196,37 @@ def _keep_gradients(*args: Any, **kwargs: Any) -> None:
     pass
 
 
+PROGRESS_REPORT_PERIOD = 2.0  # seconds between a peer's progress records in the DHT (hivemind: every local step)
+
+
+class PacedProgressTracker(ProgressTracker):
+    """hivemind's progress tracker, publishing this peer's progress at most every `report_period` seconds.
+
+    hivemind's own publishes after every local step: a signed DHT store every half second or so per peer, each
+    verified by every peer that stores it. On two CPU cores that cost each peer's DHT process a tenth of a core, taken
+    from training. Peers still see each other's progress through hivemind's throughput extrapolation between reports,
+    and the start of an epoch (no samples yet) is published at once.
+    """
+
+    def __init__(self, *args, report_period: float = PROGRESS_REPORT_PERIOD, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.should_report_progress = _PacedEvent(report_period, lambda: self.local_progress.samples_accumulated == 0)
+
+
+class _PacedEvent(threading.Event):
+    """An event whose set() is ignored within `period` seconds of the last one it let through, unless urgent()."""
+
+    def __init__(self, period: float, urgent: Callable[[], bool]):
+        super().__init__()
+        self.period, self.urgent, self._last = period, urgent, -math.inf
+
+    def set(self) -> None:
+        now = time.monotonic()
+        if self.urgent() or now - self._last >= self.period:
+            self._last = now
+            super().set()
+
+
 class SwarmOptimizer(hivemind.Optimizer):
     """A hivemind.Optimizer that keeps non-finite updates out of the swarm.
 
@@ -191,6 +245,11 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     swarm_seconds = 0.0
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        return PacedProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                    client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
+                                    **kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
         kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])

@@ -226,6 +226,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
             next_chunk_timeout=swarm.next_chunk_timeout,
             grad_compression=swarm.grad_compression,
             state_compression=swarm.state_compression,
+            average_state_every=swarm.average_state_every,
             verbose=args.verbose,
         ),
         dht=dht,

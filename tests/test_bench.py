@@ -31,7 +31,8 @@ def test_throughput_suite_smoke():
     assert swarm["target_batch_size"] == 4 * result["batch_size"]  # the coordinator's setting reached the peers
     assert swarm["samples_per_s"] > 0 and swarm["epochs"] >= 1
     assert all(0 < share < 1 for share in swarm["swarm_time_share"])
-    assert "| swarm, target batch 128 (4x) |" in section
+    assert 0 < swarm["training_cores"] <= 2.5 and 0 < swarm["background_cores"] <= 2.5  # two cores, sampling jitter
+    assert "| swarm, target batch 128 (4x), state averaged every 1 |" in section
 
 
 def test_communication_suite_smoke():

@@ -100,8 +100,10 @@ def test_swarm_settings_change_the_published_run_config():
     from coordinator.start import parse_args, run_config
 
     preset = get_preset("demo")
-    config = run_config(parse_args(["--preset", "demo", "--target-batch-size", "256", "--grad-compression", "fp16"]))
+    config = run_config(parse_args(["--preset", "demo", "--target-batch-size", "256", "--grad-compression", "fp16",
+                                    "--average-state-every", "5"]))
     assert config.swarm.target_batch_size == 256 and config.swarm.grad_compression == "fp16"
+    assert config.swarm.average_state_every == 5 and preset.swarm.average_state_every == 1
     assert config.swarm.state_compression == preset.swarm.state_compression and config.model == preset.model
     assert config.fingerprint != preset.fingerprint  # a peer holding the plain preset refuses this run
     assert run_config(parse_args(["--preset", "demo"])) == preset
