@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -20,9 +18,9 @@ from typing import Any, Callable, Optional
 import hivemind
 import lightning.pytorch as pl
 import torch
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
-from hivemind.optim.progress_tracker import ProgressTracker
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -148,14 +146,24 @@ class HivemindStrategy(Strategy):
     def num_peers(self) -> int:
         return self.optimizer.tracker.global_progress.num_peers if self.optimizer is not None else 1
 
-    def count_reachable_peers(self) -> int:
-        """Peers that have joined the run and serve its state, this one included. Unlike the progress records (which
-        a peer only publishes once it has samples), every reachable peer declares itself as soon as it starts;
-        client-mode peers are not counted."""
-        found = self.dht.get(f"{self.options.run_id}_state_averager.all_averagers", latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return 0
-        return sum(1 for entry in found.value.values() if entry.value is not None)
+    def announce_and_count_peers(self) -> int:
+        """Training peers in the run's progress records, this one included, client-mode peers too (the coordinator
+        publishes none).
+
+        hivemind publishes a peer's progress only once it has samples, and a tracker that has seen nobody looks again
+        only seconds later: peers that start together would each take their first epochs alone. A peer waiting for
+        others publishes its empty progress itself and hands what it reads to its tracker, so that from the first step
+        on the tracker counts the others and the first epoch is averaged.
+        """
+        tracker = self.optimizer.tracker
+        own = tracker._get_local_progress(tracker.local_progress.epoch, samples_accumulated=0)
+        self.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=own.dict(),
+                       expiration_time=get_dht_time() + tracker.metadata_expiration)
+        found = self.dht.get(tracker.training_progress_key, latest=True)
+        with tracker.lock_global_progress:
+            tracker.global_progress = tracker._parse_swarm_progress_data(found.value if found is not None else None)
+        tracker.global_state_updated.set()  # its fetcher plans its next look from this progress
+        return tracker.global_progress.num_peers
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -196,37 +204,6 @@ def _keep_gradients(*args: Any, **kwargs: Any) -> None:
     pass
 
 
-PROGRESS_REPORT_PERIOD = 2.0  # seconds between a peer's progress records in the DHT (hivemind: every local step)
-
-
-class PacedProgressTracker(ProgressTracker):
-    """hivemind's progress tracker, publishing this peer's progress at most every `report_period` seconds.
-
-    hivemind's own publishes after every local step: a signed DHT store every half second or so per peer, each
-    verified by every peer that stores it. On two CPU cores that cost each peer's DHT process a tenth of a core, taken
-    from training. Peers still see each other's progress through hivemind's throughput extrapolation between reports,
-    and the start of an epoch (no samples yet) is published at once.
-    """
-
-    def __init__(self, *args, report_period: float = PROGRESS_REPORT_PERIOD, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.should_report_progress = _PacedEvent(report_period, lambda: self.local_progress.samples_accumulated == 0)
-
-
-class _PacedEvent(threading.Event):
-    """An event whose set() is ignored within `period` seconds of the last one it let through, unless urgent()."""
-
-    def __init__(self, period: float, urgent: Callable[[], bool]):
-        super().__init__()
-        self.period, self.urgent, self._last = period, urgent, -math.inf
-
-    def set(self) -> None:
-        now = time.monotonic()
-        if self.urgent() or now - self._last >= self.period:
-            self._last = now
-            super().set()
-
-
 class SwarmOptimizer(hivemind.Optimizer):
     """A hivemind.Optimizer that keeps non-finite updates out of the swarm.
 
@@ -245,11 +222,6 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     swarm_seconds = 0.0
-
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
-        return PacedProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
-                                    client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
-                                    **kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
         kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])

@@ -101,8 +101,7 @@ class SwarmProgress(pl.Callback):
         if self.min_peers <= 1:
             return  # this peer alone is enough
         waited = 0.0
-        # a client-mode peer declares nothing to the others, so the count leaves it out: add it
-        while (present := trainer.strategy.count_reachable_peers() + int(self.client_mode)) < self.min_peers:
+        while (present := trainer.strategy.announce_and_count_peers()) < self.min_peers:
             if waited % 10 == 0:
                 print(f"Waiting for peers: {present} of {self.min_peers} in the swarm", flush=True)
             time.sleep(0.5)
