@@ -302,6 +302,7 @@ def evaluate_weights(paths: list[Path]) -> list[float]:
 
 
 COMPRESSION_KINDS = ("none", "fp16", "8bit")
+COMPRESSION_TARGETS = (("fp16", 0.5, 0.5), ("8bit", 0.7, 1.0))  # kind, share of bytes saved, top-1 points it may cost
 
 
 def communication_suite(work: Path, smoke: bool) -> dict:
@@ -518,6 +519,7 @@ def _join_section(result: dict, env: dict, out: Path) -> str:
             f"Median: state loaded after {run['median_state_loaded_s']:.1f} s, first local step after"
             f" {run['median_first_step_s']:.1f} s.\n\n"
         )
+    tiny = next(run for run in result["runs"] if run["preset"] == "demo")
     return (
         "## join\n\n"
         f"{_measured_by('join', env)} For each preset, a coordinator and a seed peer training it on loopback (one"
@@ -526,7 +528,8 @@ def _join_section(result: dict, env: dict, out: Path) -> str:
         " (88M parameters, random weights) on 32 px digits.\n\n"
         f"{tables}"
         "Target: first local step within 10 s for the tiny preset (plain hivemind 1.1.12 measured 7.8 s to state"
-        " loaded and 9.2 s to the first step on this kind of machine).\n\n"
+        " loaded and 9.2 s to the first step on this kind of machine). "
+        + _verdict(tiny["median_first_step_s"] <= 10, f"median first step {tiny['median_first_step_s']:.1f} s") + "\n\n"
         "Where the time goes before anything runs: a fresh interpreter's imports, measured on the idle machine before"
         " the roles start (median of 3):\n\n| imports | seconds |\n|---|---:|\n"
         + "".join(f"| {modules} | {seconds:.1f} |\n" for modules, seconds in result["import_seconds"].items())
@@ -540,6 +543,8 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
         f" {r['window_s']:.0f} s, {r['missed_rounds']} missed | {', '.join(f'{share:.0%}' for share in r['swarm_time_share'])}"
         f" | {r['training_cores']:.2f} | {r['background_cores']:.2f} |\n" for r in result["swarms"])
     single, ddp = result["single_samples_per_s"], result["ddp_samples_per_s"]
+    best = max((r for r in result["swarms"] if r["multiple"] >= 8), key=lambda r: r["ratio_to_ddp"],
+               default=result["swarms"][0])  # a smoke run measures 4x only
     ddp_runs = " and ".join(f"{value:.1f}" for value in result["ddp_runs_samples_per_s"])
     return (
         "## throughput\n\n"
@@ -561,7 +566,10 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
         f"| DDP, 2 x 1 thread | {ddp:.1f} | 1.00 | | | | |\n"
         f"{rows}\n"
         "Target: a swarm at least 0.95x DDP from 8x the per-step batch on (plain hivemind 1.1.12 measured 0.46-0.58x at"
-        " 256 and 0.79-0.84x at 1024 on this kind of machine).\n"
+        " 256 and 0.79-0.84x at 1024 on this kind of machine). "
+        + _verdict(best["ratio_to_ddp"] >= 0.95, f"best: {best['ratio_to_ddp']:.2f}x DDP at target batch"
+                   f" {best['target_batch_size']} ({best['multiple']}x), state averaged every"
+                   f" {best['average_state_every']}") + "\n"
     )
 
 
@@ -585,7 +593,10 @@ def _communication_section(result: dict, env: dict, out: Path) -> str:
         "|---|---:|---:|---:|---:|---|---:|\n"
         f"{rows}\n"
         "Targets: at least 50% fewer bytes with fp16 and 70% with 8-bit, at a cost of at most 0.5 and 1 point (plain"
-        " hivemind 1.1.12 with fp16 gradients only: 25% fewer).\n"
+        " hivemind 1.1.12 with fp16 gradients only: 25% fewer). "
+        + " ".join(_verdict(1 - r["bytes_per_sample"] / plain["bytes_per_sample"] >= saved
+                            and 100 * (plain_top1 - sum(r["top1"]) / len(r["top1"])) <= cost, r["compression"])
+                   for r in runs for kind, saved, cost in COMPRESSION_TARGETS if r["compression"] == kind) + "\n"
     )
 
 
@@ -634,6 +645,7 @@ def _scale_section(result: dict, env: dict, out: Path) -> str:
     def seconds(value: float | None, digits: int = 3) -> str:
         return "" if value is None else f"{value:.{digits}f}"
 
+    largest = max(result["results"], key=lambda r: r["peers"])
     rows = "".join(
         f"| {r['peers']} | {r['coordinator_cpu_percent']:.1f} | {r['coordinator_rss_bytes'] / 2**20:.0f} |"
         f" {seconds(r['look_seconds'])} | {seconds(r['store_read_seconds'], 4)} | {r['epochs']} |"
@@ -650,8 +662,14 @@ def _scale_section(result: dict, env: dict, out: Path) -> str:
         " s per epoch |\n|---:|---:|---:|---:|---:|---:|---:|\n"
         f"{rows}\n"
         "Target: the coordinator below 10% of one core with 16 peers. The peers share two cores, so the epoch time"
-        " grows with their number: it measures the machine, not the swarm's scaling.\n"
+        " grows with their number: it measures the machine, not the swarm's scaling. "
+        + _verdict(largest["coordinator_cpu_percent"] < 10,
+                   f"{largest['coordinator_cpu_percent']:.1f}% with {largest['peers']} peers") + "\n"
     )
+
+
+def _verdict(met: bool, what: str) -> str:
+    return f"{'**Met**' if met else '**Not met**'} ({what})."
 
 
 def _measured_by(suite: str, env: dict) -> str:
