@@ -165,7 +165,10 @@ def run_role(work: Callable[[], int], farewell: str) -> int:
         return 0
 
 
-def start_dht(options: DHTOptions) -> hivemind.DHT:
+def start_dht(options: DHTOptions, while_connecting: Callable[[], None] = lambda: None) -> hivemind.DHT:
+    """Start a DHT peer and wait until it has joined the swarm. `while_connecting` runs in this process meanwhile:
+    after the DHT's process has forked (a fork must not copy a half-done import of another thread), before it is
+    ready."""
     quiet_shutdown()
     initial_peers = resolve_initial_peers(options.initial_peers)
     host_maddrs = parse_multiaddrs(options.host_maddrs, "host address")
@@ -182,8 +185,11 @@ def start_dht(options: DHTOptions) -> hivemind.DHT:
             use_auto_relay=options.use_auto_relay,
             startup_timeout=options.startup_timeout,
             authorizer=options.authorizer,
-            start=True,
+            start=False,
         )
+        dht.start()
+        while_connecting()
+        dht.wait_until_ready()
     except P2PDaemonError as e:
         if "bootstrap" in str(e):
             raise SwarmError(

@@ -12,6 +12,7 @@ import argparse
 import ipaddress
 import os
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -133,8 +134,6 @@ def main(argv: list[str] | None = None) -> int:
 def _join(args: argparse.Namespace) -> int:
     from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
-    from hivetrain.data import DatasetUnavailable
-    from hivetrain.model import PretrainedWeightsUnavailable
     from hivetrain.swarm import (
         DHTOptions, StayConnected, SwarmError, fetch_run_config, listen_maddr, resolve_initial_peers, start_dht,
     )
@@ -168,8 +167,9 @@ def _join(args: argparse.Namespace) -> int:
         authorizer=authorizer,
     )
     dht = None
+    training_stack = threading.Thread(target=_import_training_stack, name="import-training-stack", daemon=True)
     try:
-        dht = start_dht(network)
+        dht = start_dht(network, while_connecting=training_stack.start)
         StayConnected(dht, initial_peers).start()  # a restarted coordinator finds this peer again
         config = fetch_run_config(dht, args.run_id, initial_peers, timeout=args.config_timeout)
         if expected is not None:  # the run's name may differ; everything that shapes training may not
@@ -179,8 +179,9 @@ def _join(args: argparse.Namespace) -> int:
                 f"the run's configuration (preset {config.preset!r}, fingerprint {config.fingerprint}) differs from"
                 f" --preset {args.preset} (fingerprint {expected.fingerprint}): this peer would train another model"
             )
+        training_stack.join()  # its imports must not be half done when the averagers fork
         return _train(args, dht, config, client_mode)
-    except (SwarmError, DatasetUnavailable, PretrainedWeightsUnavailable, ValueError) as e:
+    except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -188,12 +189,22 @@ def _join(args: argparse.Namespace) -> int:
             dht.shutdown()
 
 
+def _import_training_stack() -> None:
+    """Lightning, torchvision and timm take seconds to import: a thread imports them while the DHT connects and the
+    run's configuration arrives, so the first step comes that much sooner."""
+    import hivetrain.data  # noqa: F401
+    import hivetrain.model  # noqa: F401
+    import hivetrain.module  # noqa: F401
+    import hivetrain.strategy  # noqa: F401
+    import peers.progress  # noqa: F401
+
+
 def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
     import lightning.pytorch as pl
     import torch
 
-    from hivetrain.data import make_datamodule
-    from hivetrain.model import choose_device, create_model, save_weights
+    from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
     from hivetrain.strategy import HivemindOptions, HivemindStrategy
     from hivetrain.telemetry import describe_hardware
@@ -210,10 +221,14 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
           f" {device}, precision {precision}, batch {batch_size}, {'client mode' if client_mode else 'reachable'}",
           flush=True)
 
-    model = create_model(config.model, args.pretrained_weights, seed=config.seed)
-    datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=seed)
-    datamodule.prepare_data()
-    datamodule.setup()
+    try:
+        model = create_model(config.model, args.pretrained_weights, seed=config.seed)
+        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=seed)
+        datamodule.prepare_data()
+        datamodule.setup()
+    except (DatasetUnavailable, PretrainedWeightsUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     module = ImageClassifier(config, model)
     swarm = config.swarm
     strategy = HivemindStrategy(

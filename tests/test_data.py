@@ -37,6 +37,23 @@ def test_digits_sizes_and_shapes():
     assert xv.shape == (DEMO.batch_size, 3, 32, 32) and yv.dtype == torch.int64
 
 
+def test_digits_read_directly_equal_sklearns():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    (x_train, y_train), (x_val, y_val) = data.load_digits_split(8)
+    perm = np.random.RandomState(0).permutation(len(digits.target))
+    expected = torch.tensor(digits.images, dtype=torch.float32).div(16).unsqueeze(1)[perm]
+    assert torch.equal(torch.cat([x_val, x_train]), expected)
+    assert torch.equal(torch.cat([y_val, y_train]), torch.as_tensor(digits.target)[perm])
+
+
+def test_digits_without_sklearn_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DatasetUnavailable, match="pip install scikit-learn"):
+        data.load_digits_split(8)
+
+
 def test_digits_split_is_deterministic():
     a, b = make_datamodule(DEMO, seed=1), make_datamodule(DEMO, seed=2)
     a.setup(), b.setup()
