@@ -220,7 +220,7 @@ def _trial(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = get_preset(args.preset)
-    # The run holds its dataset in memory (and sklearn for digits: ~90 MB together on the demo): so does the trial.
+    # The run holds its dataset in memory: so does the trial.
     make_datamodule(config, args.data_dir).setup()
     # Memory does not depend on where the weights come from: skip pretrained weights (no hub, no file needed).
     model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(args.device)
