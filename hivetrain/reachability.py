@@ -2,8 +2,8 @@
 firewall then joins in client mode by itself, whatever its addresses look like.
 
 The peer starts a short-lived probe that listens where the peer will, and asks the coordinator to dial the probe's
-addresses. The coordinator dials from a probe of its own, which has never been connected to the peer's probe, so an
-existing connection cannot fake the answer. Requests and answers are one JSON line each on a libp2p stream.
+addresses. The coordinator dials from a fresh probe of its own for each check, which has never been connected to
+anything, so neither an existing connection nor a route learnt earlier can fake the answer. Requests and answers are one JSON line each on a libp2p stream.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ class Reachability:
 
 async def serve_dial_back(dht, node) -> None:
     """Run inside the coordinator's DHT process (DHT.run_coroutine): answer dial-back requests on its libp2p host."""
-    probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # dials out only
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -36,12 +35,7 @@ async def serve_dial_back(dht, node) -> None:
             peer_id = PeerID.from_base58(request["peer_id"])
             # p2pd wants bare transport addresses: the peer ID travels separately
             maddrs = [Multiaddr(m.split("/p2p/")[0]) for m in request["maddrs"]][:16]
-            try:
-                await asyncio.wait_for(probe._client.connect(peer_id, maddrs), DIAL_TIMEOUT)
-                answer = dict(reachable=True)
-                await probe._client.disconnect(peer_id)
-            except Exception as e:  # refused, timed out, wrong peer behind the address: not reachable
-                answer = dict(reachable=False, error=" ".join(f"{type(e).__name__}: {e}".split())[:300])
+            answer = await _dial(peer_id, maddrs)
         except Exception as e:  # a malformed request gets an answer too, never a crash
             answer = dict(reachable=None, error=f"bad request: {type(e).__name__}")
         writer.write(json.dumps(answer).encode() + b"\n")
@@ -49,6 +43,20 @@ async def serve_dial_back(dht, node) -> None:
         writer.close()
 
     await node.p2p.add_binary_stream_handler(DIAL_BACK, handle)
+
+
+async def _dial(peer_id: PeerID, maddrs: list[Multiaddr]) -> dict:
+    # A fresh host for every check. When the given addresses fail, libp2p looks the peer up in its own DHT: a host
+    # that dialled earlier peers knows the coordinator through them, and the coordinator knows this peer's real
+    # address. A reused host once answered "reachable" for an address nobody listens on.
+    probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # dials out only
+    try:
+        await asyncio.wait_for(probe._client.connect(peer_id, maddrs), DIAL_TIMEOUT)
+        return dict(reachable=True)
+    except Exception as e:  # refused, timed out, wrong peer behind the address: not reachable
+        return dict(reachable=False, error=" ".join(f"{type(e).__name__}: {e}".split())[:300])
+    finally:
+        await probe.shutdown()
 
 
 async def _ask(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
