@@ -3,7 +3,8 @@ firewall then joins in client mode by itself, whatever its addresses look like.
 
 The peer starts a short-lived probe that listens where the peer will, and asks the coordinator to dial the probe's
 addresses. The coordinator dials from a fresh probe of its own for each check, which has never been connected to
-anything, so neither an existing connection nor a route learnt earlier can fake the answer. Requests and answers are one JSON line each on a libp2p stream.
+anything, so neither an existing connection nor a route learnt earlier can fake the answer. Requests and answers are
+one JSON line each on a libp2p stream.
 """
 
 from __future__ import annotations
