@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "logbook" / "benchmarks.md"
-RECORDS = ROOT / "logbook" / "records"
+RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
 
 
 class Role:

@@ -147,3 +147,9 @@ def test_cli_exit_code_on_malformed_record_and_empty_folder(tmp_path):
                                  str(tmp_path / folder), "--out", str(tmp_path / "out")],
                                 cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_repos_run_records_all_load():
+    """make demo rebuilds its pages from logbook/records: every file there must be a run record."""
+    loaded = logbook.load_records([Path(logbook.__file__).resolve().parent.parent / "logbook" / "records"])
+    assert {item.record.strategy for item in loaded} >= {"single", "ddp", "swarm"}
