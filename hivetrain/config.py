@@ -51,6 +51,15 @@ class SwarmConfig:
     # Swarm epochs between parameter/optimizer-state averaging rounds. Peers that average gradients exactly apply the
     # same update and stay identical; these rounds only repair drift (a peer that missed a round reloads the state).
     average_state_every: int = 1
+    # "sync": one swarm epoch per target_batch_size samples, gradients averaged every epoch (hivemind.Optimizer).
+    # "diloco": each peer takes about inner_steps steps of its own optimizer, then the peers average the
+    # pseudo-gradient (outer minus local parameters, weighted by samples) and take one outer step, SGD with Nesterov
+    # momentum (hivetrain.diloco): one round of communication per inner_steps local steps. A swarm epoch is then
+    # one outer round, and the OptimConfig schedule counts a peer's inner steps.
+    mode: str = "sync"
+    inner_steps: int = 50  # H: local steps per peer between outer rounds (diloco)
+    outer_lr: float = 0.7  # the DiLoCo paper's outer learning rate and Nesterov momentum
+    outer_momentum: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,12 @@ class RunConfig:
         for kind in (self.swarm.grad_compression, self.swarm.state_compression):
             if kind not in COMPRESSIONS:
                 raise ValueError(f"compression {kind!r} is not one of {', '.join(COMPRESSIONS)}")
+        if self.swarm.mode not in SWARM_MODES:
+            raise ValueError(f"swarm mode {self.swarm.mode!r} is not one of {', '.join(SWARM_MODES)}")
+        if self.swarm.inner_steps < 1:
+            raise ValueError("swarm.inner_steps must be at least 1")
+        if self.swarm.outer_lr <= 0 or not 0 <= self.swarm.outer_momentum < 1:
+            raise ValueError("need swarm.outer_lr > 0 and 0 <= swarm.outer_momentum < 1")
         if self.swarm.average_state_every < 1:
             raise ValueError("swarm.average_state_every must be at least 1")
         if self.batch_size < 1 or self.swarm.target_batch_size < self.batch_size:
@@ -117,6 +132,7 @@ class RunConfig:
 DATASETS = ("digits", "fashion-mnist", "cifar10")
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 COMPRESSIONS = ("none", "fp16", "8bit")
+SWARM_MODES = ("sync", "diloco")
 
 PRESETS: dict[str, RunConfig] = {
     # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,11 +21,13 @@ import lightning.pytorch as pl
 import torch
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from hivetrain.diloco import DiLoCoRounds
 from hivetrain.swarm import DHTOptions, start_dht
 
 logger = logging.getLogger(__name__)
@@ -73,6 +76,14 @@ class HivemindOptions:
     reuse_grad_buffers: bool = False  # accumulate in .grad (saves memory); forced on for fp16 with hivemind's scaler
     load_state_timeout: float = 60.0
     verbose: bool = False  # hivemind's own progress messages
+    # "sync": gradients averaged every swarm step (hivemind.Optimizer). "diloco": each peer takes about inner_steps
+    # steps of its own optimizer, then the peers average the pseudo-gradient and take an outer SGD step with Nesterov
+    # momentum (hivetrain.diloco); the gradient fields above (compression, delays, offload) are then unused but
+    # grad_compression, which applies to the pseudo-gradient.
+    mode: str = "sync"
+    inner_steps: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
 
 class HivemindStrategy(Strategy):
@@ -86,6 +97,8 @@ class HivemindStrategy(Strategy):
         device: Optional[torch.device] = None,
     ):
         super().__init__()
+        if options.mode not in ("sync", "diloco"):
+            raise ValueError(f"mode {options.mode!r} is not 'sync' or 'diloco'")
         if options.delay_grad_averaging and not options.delay_optimizer_step:
             raise ValueError("delay_grad_averaging requires delay_optimizer_step")
         if options.delay_optimizer_step and not options.offload_optimizer:
@@ -94,7 +107,8 @@ class HivemindStrategy(Strategy):
         self._owns_dht = dht is None
         self.dht = dht if dht is not None else start_dht(network or DHTOptions())
         self._device = device
-        self.optimizer: Optional[hivemind.Optimizer] = None
+        self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode
+        self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
 
     # --- Lightning's single-process strategy contract -----------------------------------------------------------
 
@@ -140,11 +154,39 @@ class HivemindStrategy(Strategy):
 
     @property
     def local_epoch(self) -> int:
+        """The swarm epoch this peer is at: swarm optimizer steps (sync) or outer rounds (diloco)."""
+        if self.rounds is not None:
+            return self.rounds.round
         return self.optimizer.local_epoch if self.optimizer is not None else 0
 
     @property
+    def tracker(self) -> Optional[ProgressTracker]:
+        """hivemind's progress tracker of this peer (None before setup)."""
+        if self.rounds is not None:
+            return self.rounds.tracker
+        return self.optimizer.tracker if self.optimizer is not None else None
+
+    @property
     def num_peers(self) -> int:
-        return self.optimizer.tracker.global_progress.num_peers if self.optimizer is not None else 1
+        return self.tracker.global_progress.num_peers if self.tracker is not None else 1
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples the swarm trains per swarm epoch: the target batch (sync), or H x batch x peers (diloco)."""
+        return self.tracker.target_batch_size if self.tracker is not None else self.options.target_batch_size
+
+    @property
+    def swarm_seconds(self) -> float:
+        """Wall time this peer spent in swarm rounds and state downloads rather than on its own batches."""
+        swarm = self.rounds or self.optimizer
+        return swarm.swarm_seconds if swarm is not None else 0.0
+
+    def load_state_from_peers(self) -> None:
+        if self.rounds is not None:
+            self.rounds.load_state_from_peers()
+            self._follow_swarm_schedule()
+        else:
+            self.optimizer.load_state_from_peers()
 
     def announce_and_count_peers(self) -> int:
         """Training peers in the run's progress records, this one included, client-mode peers too (the coordinator
@@ -155,7 +197,7 @@ class HivemindStrategy(Strategy):
         others publishes its empty progress itself and hands what it reads to its tracker, so that from the first step
         on the tracker counts the others and the first epoch is averaged.
         """
-        tracker = self.optimizer.tracker
+        tracker = self.tracker
         own = tracker._get_local_progress(tracker.local_progress.epoch, samples_accumulated=0)
         self.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=own.dict(),
                        expiration_time=get_dht_time() + tracker.metadata_expiration)
@@ -174,6 +216,9 @@ class HivemindStrategy(Strategy):
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         if len(schedulers) > 1:
             raise ValueError(f"{type(self).__name__} supports at most one LR scheduler")
+        if self.options.mode == "diloco":
+            self._setup_diloco()
+            return
         use_fp16 = isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed"
         if use_fp16:
             # Plain torch scaling breaks with hivemind's accumulation; hivemind's scaler unscales once per swarm step.
@@ -190,11 +235,49 @@ class HivemindStrategy(Strategy):
         self.optimizer.load_state_from_peers()
         logger.info(f"Joined the swarm at epoch {self.local_epoch}")
 
+    def _setup_diloco(self) -> None:
+        """The module's own optimizer and scheduler take the inner steps, as Lightning runs them; the rounds come
+        after an optimizer step (optimizer_step)."""
+        options = self.options
+        self.rounds = DiLoCoRounds(
+            self.dht, options.run_id, list(self.lightning_module.parameters()), inner_steps=options.inner_steps,
+            batch_size=options.batch_size, outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
+            matchmaking_time=options.matchmaking_time, averaging_timeout=options.averaging_timeout,
+            next_chunk_timeout=options.next_chunk_timeout, compression=COMPRESSION[options.grad_compression](),
+            state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
+        )
+        logger.info("Loading the swarm's outer state before the first step")
+        self.load_state_from_peers()
+        logger.info(f"Joined the swarm at outer round {self.local_epoch}")
+
+    def _follow_swarm_schedule(self) -> None:
+        """The inner LR schedule follows the swarm, not this peer's own step count: after round r it stands at least
+        at r x H steps, so a late joiner, or a slow peer that took fewer inner steps, continues the swarm's schedule."""
+        swarm_steps = self.rounds.round * self.options.inner_steps
+        for config in self.lr_scheduler_configs:
+            with warnings.catch_warnings():  # a joiner advances its schedule before its first optimizer step
+                warnings.simplefilter("ignore", UserWarning)
+                while config.scheduler.last_epoch < swarm_steps:
+                    config.scheduler.step()
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.rounds is not None and output is not None:  # None: training_step returned None, nothing was trained
+            finite = bool(torch.isfinite(output).all())
+            if self.rounds.after_inner_step(self.options.batch_size, finite=finite):
+                if not finite:
+                    optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
+                self._follow_swarm_schedule()
+        return output
+
     def teardown(self) -> None:
-        # The optimizer's averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
+        # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
             self.optimizer.shutdown()
             self.optimizer = None
+        if self.rounds is not None:
+            self.rounds.shutdown()
+            self.rounds = None
         if self._owns_dht:
             self.dht.shutdown()
         super().teardown()

@@ -242,12 +242,16 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
             grad_compression=swarm.grad_compression,
             state_compression=swarm.state_compression,
             average_state_every=swarm.average_state_every,
+            mode=swarm.mode,
+            inner_steps=swarm.inner_steps,
+            outer_lr=swarm.outer_lr,
+            outer_momentum=swarm.outer_momentum,
             verbose=args.verbose,
         ),
         dht=dht,
         device=torch.device(device),
     )
-    progress = SwarmProgress(batch_size=batch_size, target_batch_size=swarm.target_batch_size, name=name,
+    progress = SwarmProgress(batch_size=batch_size, name=name,
                              hardware=describe_hardware(device), client_mode=client_mode,
                              stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers)
     show_bar = args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty())

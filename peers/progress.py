@@ -15,9 +15,9 @@ from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publi
 
 
 class SwarmProgress(pl.Callback):
-    def __init__(self, batch_size: int, target_batch_size: int, name: str, hardware: str, client_mode: bool,
+    def __init__(self, batch_size: int, name: str, hardware: str, client_mode: bool,
                  stop_at_epoch: Optional[int] = None, min_peers: int = 1, publish_every: float = PUBLISH_EVERY):
-        self.batch_size, self.target_batch_size, self.stop_at_epoch = batch_size, target_batch_size, stop_at_epoch
+        self.batch_size, self.stop_at_epoch = batch_size, stop_at_epoch
         self.name, self.hardware, self.client_mode = name, hardware, client_mode
         self.min_peers, self.publish_every = min_peers, publish_every
         self.epoch = 0
@@ -35,7 +35,7 @@ class SwarmProgress(pl.Callback):
         self._wait_for_peers(trainer)
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
         self._epoch_started = self._train_started = time.monotonic()
-        self._swarm_seconds_before = trainer.strategy.optimizer.swarm_seconds
+        self._swarm_seconds_before = trainer.strategy.swarm_seconds
         print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
         self._published = (time.monotonic(), 0)
         self._publish(trainer)
@@ -49,9 +49,9 @@ class SwarmProgress(pl.Callback):
             self._finish(trainer)
 
     def _finish(self, trainer: pl.Trainer) -> None:
-        if self._train_started is not None and trainer.strategy.optimizer is not None:
+        if self._train_started is not None and trainer.strategy.tracker is not None:
             self.train_seconds = time.monotonic() - self._train_started
-            self.swarm_seconds = trainer.strategy.optimizer.swarm_seconds - self._swarm_seconds_before
+            self.swarm_seconds = trainer.strategy.swarm_seconds - self._swarm_seconds_before
         self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -68,7 +68,7 @@ class SwarmProgress(pl.Callback):
         epoch = trainer.strategy.local_epoch
         if epoch != self.epoch:
             now = time.monotonic()
-            throughput = self.target_batch_size * (epoch - self.epoch) / max(now - self._epoch_started, 1e-6)
+            throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(now - self._epoch_started, 1e-6)
             loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
             line = (f"swarm epoch {epoch} | {max(1, trainer.strategy.num_peers)} peer(s) | {throughput:.0f} samples/s"
                     f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
@@ -108,7 +108,7 @@ class SwarmProgress(pl.Callback):
             raise_if_leaving()
             waited += 0.5
         if waited:
-            trainer.strategy.optimizer.load_state_from_peers()  # whoever was first may have stepped meanwhile
+            trainer.strategy.load_state_from_peers()  # whoever was first may have stepped meanwhile
 
     def _maybe_stop(self, trainer: pl.Trainer) -> None:
         if self.stop_at_epoch is not None and trainer.strategy.local_epoch >= self.stop_at_epoch:

@@ -1,0 +1,240 @@
+"""DiLoCo rounds over hivemind: each peer trains H steps of its own optimizer, then the swarm averages the
+pseudo-gradient (outer parameters minus local parameters, weighted by the samples behind it) and every peer applies the
+same outer step (SGD with Nesterov momentum) to the shared outer parameters and goes on from them.
+
+Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models": one all-reduce per H
+local steps instead of one per step. Built on hivemind 1.1.12's own pieces, without a fork: a `DecentralizedAverager`
+averages the pseudo-gradient and serves the outer state (parameters, momentum, round) to joiners, and a
+`ProgressTracker` publishes each peer's samples under the run's progress key and tells when a round is due.
+
+When a round starts: once the samples the swarm trained since the last round reach H x (the run's per-step batch) x
+(peers in the progress records), i.e. once the peers have taken H local steps each on average. Nobody waits for a
+slow peer's H-th step: a fast peer takes more inner steps, a slow one fewer, and each pseudo-gradient counts in
+proportion to its samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionBase, NoCompression
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils.crypto import RSAPrivateKey
+
+logger = logging.getLogger(__name__)
+
+
+def outer_state_prefix(run_id: str) -> str:
+    """The averager's DHT prefix: its groups and the declarations of who serves the outer state."""
+    return f"{run_id}_outer"
+
+
+class OuterState(DecentralizedAverager):
+    """The swarm's shared outer parameters and outer momentum (on the host, float32), the round they belong to, and
+    the pseudo-gradient buffers it averages with the others. Served to joiners as (round, parameters + momentum)."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
+                 outer_momentum: float, compression: CompressionBase = NoCompression(),
+                 state_compression: CompressionBase = NoCompression(), **kwargs):
+        self.outer_parameters = [p.detach().to("cpu", torch.float32, copy=True) for p in parameters]
+        self.outer_optimizer = torch.optim.SGD(self.outer_parameters, lr=outer_lr, momentum=outer_momentum,
+                                               nesterov=outer_momentum > 0)
+        if outer_momentum > 0:  # zeros from the start, so that the state a joiner downloads always has them
+            for param in self.outer_parameters:
+                self.outer_optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        self.round = 0
+        self.lock_outer = threading.Lock()  # a download never sees half an outer step
+        pseudo_gradients = [torch.zeros_like(p) for p in self.outer_parameters]
+        super().__init__(averaged_tensors=pseudo_gradients, dht=dht, prefix=prefix, compression=compression,
+                         state_compression=state_compression, start=True, **kwargs)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        momentum = [self.outer_optimizer.state[p]["momentum_buffer"] for p in self.outer_parameters
+                    if "momentum_buffer" in self.outer_optimizer.state[p]]
+        return [*self.outer_parameters, *momentum]
+
+    def get_current_state(self):
+        with self.lock_outer:
+            return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
+
+    def load_from_peers(self, timeout: Optional[float] = None) -> bool:
+        """Take the newest outer state another peer serves. What arrives is checked (a round number, one tensor of
+        the right shape per parameter and momentum buffer, finite values): anything else is skipped with a warning.
+        True when a state was loaded."""
+        try:
+            loaded = self.load_state_from_peers(timeout=timeout)
+        except Exception as e:  # a peer that vanished mid-download, a timeout
+            logger.warning(f"Could not download the swarm's outer state: {type(e).__name__}: {e}")
+            return False
+        if loaded is None:
+            return False
+        metadata, tensors = loaded
+        expected = self._state_tensors()
+        round_ = metadata.get("round") if isinstance(metadata, dict) else None
+        if (not isinstance(round_, int) or round_ < 0 or len(tensors) != len(expected)
+                or any(t.shape != e.shape for t, e in zip(tensors, expected))
+                or not all(torch.isfinite(t).all() for t in tensors)):
+            logger.warning("Skipping a malformed outer state from a peer")
+            return False
+        with self.lock_outer, torch.no_grad():
+            for mine, theirs in zip(expected, tensors):
+                mine.copy_(theirs)
+            self.round = round_
+        return True
+
+    def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
+                   timeout: Optional[float]) -> Optional[bool]:
+        """One round: this peer's pseudo-gradient, averaged with the group's (weighted by `weight`) unless `timeout`
+        is None (alone), then the outer step. Returns True when averaged with others, False when it stepped alone,
+        None when the round with others failed (nothing was applied: the caller reloads the swarm's state)."""
+        with torch.no_grad(), self.get_tensors() as pseudo_gradients:
+            for buffer, outer, local in zip(pseudo_gradients, self.outer_parameters, local_parameters):
+                buffer.copy_(outer)
+                buffer.sub_(local.detach().to("cpu", torch.float32))
+        averaged = False
+        if timeout is not None:
+            try:
+                gathered = self.step(weight=weight, timeout=timeout, gather=self.round, allow_retries=False)
+            except Exception as e:  # no group, a groupmate that vanished mid-round
+                logger.info(f"Outer round {self.round} failed: {type(e).__name__}: {e}")
+                return None
+            if gathered is None or any(not isinstance(r, int) or r > self.round for r in gathered.values()):
+                return None  # groupmates ahead of this peer: it is stale, reload
+            averaged = len(gathered) > 1
+        with self.lock_outer, self.get_tensors() as pseudo_gradients:
+            for param, gradient in zip(self.outer_parameters, pseudo_gradients):
+                param.grad = gradient
+            self.outer_optimizer.step()
+            for param in self.outer_parameters:
+                param.grad = None
+            self.round += 1
+        self.state_sharing_priority = self.round  # joiners ask the peers with the newest round first
+        return averaged
+
+    def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
+        with self.lock_outer, torch.no_grad():
+            for local, outer in zip(local_parameters, self.outer_parameters):
+                local.copy_(outer)
+
+
+class RoundTracker(ProgressTracker):
+    """hivemind's progress tracker whose target is H inner steps of the run's batch per peer in the records: a round
+    is due once the swarm as a whole has trained that many samples since the last one."""
+
+    def __init__(self, *args, samples_per_peer: int, **kwargs):
+        self.samples_per_peer = samples_per_peer
+        super().__init__(*args, target_batch_size=samples_per_peer, **kwargs)
+
+    def _parse_swarm_progress_data(self, metadata):
+        peers = sum(1 for entry in metadata.values() if getattr(entry, "value", None) is not None) \
+            if isinstance(metadata, dict) else 0
+        self.target_batch_size = self.samples_per_peer * max(1, peers)
+        return super()._parse_swarm_progress_data(metadata)
+
+
+class DiLoCoRounds:
+    """A peer's side of DiLoCo: counts its inner steps' samples, and when a round is due, runs it and puts the new
+    outer parameters into the model.
+
+    `swarm_seconds` adds up the wall time spent in rounds and state downloads (time outside compute)."""
+
+    def __init__(self, dht: DHT, run_id: str, parameters: Sequence[torch.nn.Parameter], inner_steps: int,
+                 batch_size: int, outer_lr: float, outer_momentum: float, matchmaking_time: float,
+                 averaging_timeout: float, next_chunk_timeout: float, compression: CompressionBase = NoCompression(),
+                 state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
+                 private_key: Optional[RSAPrivateKey] = None):
+        self.parameters = list(parameters)
+        self.inner_steps, self.averaging_timeout, self.load_state_timeout = inner_steps, averaging_timeout, load_state_timeout
+        self.outer = OuterState(
+            self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
+            state_compression=state_compression, min_matchmaking_time=matchmaking_time,
+            # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
+            request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
+        )
+        self.tracker = RoundTracker(dht, run_id, samples_per_peer=inner_steps * batch_size, private_key=private_key,
+                                    start=True)
+        self.samples = 0  # trained since the last round
+        self.swarm_seconds = 0.0
+        self.rounds_averaged = self.rounds_alone = self.rounds_failed = 0
+
+    @property
+    def round(self) -> int:
+        return self.outer.round
+
+    @property
+    def num_peers(self) -> int:
+        return self.tracker.global_progress.num_peers
+
+    def load_state_from_peers(self) -> bool:
+        """Take the swarm's newest outer state, and start the next inner steps from it."""
+        started = time.perf_counter()
+        try:
+            loaded = self.outer.load_from_peers(timeout=self.load_state_timeout)
+            self.outer.copy_to(self.parameters)
+            self.samples = 0
+            with self.tracker.pause_updates():
+                self.tracker.update_epoch(self.outer.round)
+            if loaded:
+                self.outer.state_sharing_priority = self.outer.round
+            return loaded
+        finally:
+            self.swarm_seconds += time.perf_counter() - started
+
+    def after_inner_step(self, samples: int, finite: bool = True) -> bool:
+        """Count an inner step's samples and run a round when one is due; True when the parameters changed to a
+        new outer state (a round or a reload). A non-finite step counts nothing and restarts from the outer
+        parameters: its pseudo-gradient would poison every peer."""
+        if not finite:
+            logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
+            self.outer.copy_to(self.parameters)
+            self.samples = 0
+            self.tracker.report_local_progress(self.outer.round, 0)
+            return True
+        self.samples += samples
+        self.tracker.report_local_progress(self.outer.round, self.samples)
+        if self.tracker.global_epoch > self.outer.round:
+            logger.warning(f"Missed outer round {self.outer.round}: loading the swarm's state")
+            self.load_state_from_peers()
+            return True
+        if not self.tracker.ready_to_update_epoch:
+            return False
+        self.run_round()
+        return True
+
+    def run_round(self) -> None:
+        """Average the pseudo-gradient with whoever is in the round (alone: this peer's own), take the outer step and
+        continue from the new outer parameters. A round with others that failed applies nothing: the peer loads the
+        swarm's state instead (its inner steps since the last round are lost), so every peer's outer parameters stay
+        the same."""
+        if not self.samples:
+            return  # nothing trained since the last round: nothing to contribute (a zero weight)
+        started = time.perf_counter()
+        try:
+            with self.tracker.pause_updates():
+                others = self.tracker.global_progress.num_peers > 1
+                result = self.outer.outer_step(self.parameters, weight=float(self.samples),
+                                               timeout=self.averaging_timeout if others else None)
+                if result is not None:
+                    self.outer.copy_to(self.parameters)
+                    self.samples = 0
+                    self.tracker.update_epoch(self.outer.round)
+        finally:
+            self.swarm_seconds += time.perf_counter() - started
+        if result is None:
+            self.rounds_failed += 1
+            logger.warning(f"Outer round {self.outer.round} was missed: loading the swarm's state")
+            self.load_state_from_peers()
+        elif result:
+            self.rounds_averaged += 1
+        else:
+            self.rounds_alone += 1
+
+    def shutdown(self) -> None:
+        self.tracker.shutdown()
+        self.outer.shutdown()

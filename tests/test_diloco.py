@@ -1,0 +1,151 @@
+"""DiLoCo rounds (hivetrain.diloco) in one process: the outer step is exactly the one DiLoCo defines, and joiners
+get the outer state."""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hivemind.utils.crypto import RSAPrivateKey
+
+from hivetrain.config import get_preset
+from hivetrain.diloco import DiLoCoRounds
+from hivetrain.model import create_model
+from hivetrain.module import make_optimizer
+from hivetrain.swarm import DHTOptions, start_dht
+
+CONFIG = get_preset("demo")
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _batch(seed: int, size: int):
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(size, 3, CONFIG.model.img_size, CONFIG.model.img_size, generator=generator)
+    return images, torch.randint(0, CONFIG.model.num_classes, (size,), generator=generator)
+
+
+def _inner_step(model, optimizer, seed: int, size: int) -> None:
+    optimizer.zero_grad()
+    images, labels = _batch(seed, size)
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().flatten() for t in tensors])
+
+
+def _rounds(dht, model, inner_steps: int, batch: int, outer_lr: float, outer_momentum: float) -> DiLoCoRounds:
+    return DiLoCoRounds(dht, "test_diloco", list(model.parameters()), inner_steps=inner_steps, batch_size=batch,
+                        outer_lr=outer_lr, outer_momentum=outer_momentum, matchmaking_time=2.0, averaging_timeout=30.0,
+                        next_chunk_timeout=5.0, load_state_timeout=20.0, private_key=RSAPrivateKey())
+
+
+@pytest.fixture
+def dhts():
+    started = []
+
+    def start(count: int):
+        first = start_dht(DHTOptions(host_maddrs=LOOPBACK)) if not started else started[0]
+        if not started:
+            started.append(first)
+        while len(started) < count:
+            started.append(start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                                                host_maddrs=LOOPBACK)))
+        return started[:count]
+
+    yield start
+    for dht in reversed(started):
+        dht.shutdown()
+
+
+def test_one_peer_with_one_inner_step_and_plain_outer_step_takes_the_local_step(dhts):
+    """H = 1, outer lr 1, no momentum: the outer step puts back exactly what the inner step did."""
+    [dht] = dhts(1)
+    reference = create_model(CONFIG.model, seed=CONFIG.seed)
+    reference_optimizer, _ = make_optimizer(reference, CONFIG.optim)
+    model = create_model(CONFIG.model, seed=CONFIG.seed)
+    optimizer, _ = make_optimizer(model, CONFIG.optim)
+    rounds = _rounds(dht, model, inner_steps=1, batch=8, outer_lr=1.0, outer_momentum=0.0)
+    try:
+        initial = _flat(model.parameters())
+        for seed in range(4):
+            _inner_step(reference, reference_optimizer, seed, 8)
+            _inner_step(model, optimizer, seed, 8)
+            assert rounds.after_inner_step(8)  # a round every step
+            # outer - (outer - local) is local up to float rounding (~1e-7), which Adam's next steps carry along
+            torch.testing.assert_close(_flat(model.parameters()), _flat(reference.parameters()), rtol=0, atol=1e-5)
+            torch.testing.assert_close(_flat(rounds.outer.outer_parameters), _flat(model.parameters()), rtol=0, atol=0)
+        assert rounds.round == 4 and rounds.rounds_alone == 4
+        assert (_flat(model.parameters()) - initial).abs().max() > 1e-3  # it trained
+    finally:
+        rounds.shutdown()
+
+
+def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradient(dhts):
+    batch, lr, momentum = 8, 0.7, 0.9
+    models = [create_model(CONFIG.model, seed=CONFIG.seed) for _ in range(2)]
+    optimizers = [make_optimizer(model, CONFIG.optim)[0] for model in models]
+    outer0 = _flat(models[0].parameters())
+    rounds = [_rounds(dht, model, 2, batch, lr, momentum) for dht, model in zip(dhts(2), models)]
+    try:
+        # A slow and a fast peer: 1 and 3 inner steps since the round began (H = 2 on average).
+        steps = (1, 3)
+        for index, (model, optimizer, peer) in enumerate(zip(models, optimizers, rounds)):
+            for step in range(steps[index]):
+                _inner_step(model, optimizer, 100 * index + step, batch)
+            peer.samples = steps[index] * batch
+            peer.tracker.report_local_progress(0, peer.samples)
+        deadline = time.monotonic() + 30
+        while min(peer.tracker.global_progress.samples_accumulated for peer in rounds) < 4 * batch:
+            assert time.monotonic() < deadline, "the peers never saw each other's progress"
+            time.sleep(0.2)
+        pseudo = [outer0 - _flat(model.parameters()) for model in models]
+        mean = (steps[0] * pseudo[0] + steps[1] * pseudo[1]) / sum(steps)
+        expected = outer0 - lr * (mean + momentum * mean)  # torch's Nesterov from a zero momentum buffer
+
+        threads = [threading.Thread(target=peer.run_round) for peer in rounds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert [peer.rounds_averaged for peer in rounds] == [1, 1], [(p.rounds_alone, p.rounds_failed) for p in rounds]
+        assert [peer.round for peer in rounds] == [1, 1]
+        for model, peer in zip(models, rounds):
+            torch.testing.assert_close(_flat(model.parameters()), expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(_flat(peer.outer.outer_parameters), _flat(model.parameters()), rtol=0, atol=0)
+            momentum_buffers = [peer.outer.outer_optimizer.state[p]["momentum_buffer"]
+                                for p in peer.outer.outer_parameters]
+            torch.testing.assert_close(_flat(momentum_buffers), mean, rtol=0, atol=1e-5)
+        assert (expected - outer0).abs().max() > 1e-3  # the round really moved the weights
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+
+
+def test_a_late_joiner_gets_the_outer_parameters_and_momentum(dhts):
+    first, second = dhts(2)
+    model = create_model(CONFIG.model, seed=CONFIG.seed)
+    optimizer, _ = make_optimizer(model, CONFIG.optim)
+    peer = _rounds(first, model, 1, 8, 0.7, 0.9)
+    joiner_model = create_model(CONFIG.model, seed=CONFIG.seed)
+    joiner = None
+    try:
+        for seed in range(3):  # three rounds alone: outer parameters and momentum of its own
+            _inner_step(model, optimizer, seed, 8)
+            peer.after_inner_step(8)
+        assert peer.round == 3
+        joiner = _rounds(second, joiner_model, 1, 8, 0.7, 0.9)
+        assert joiner.load_state_from_peers()
+        assert joiner.round == 3 and joiner.tracker.local_progress.epoch == 3
+        torch.testing.assert_close(_flat(joiner_model.parameters()), _flat(model.parameters()), rtol=0, atol=0)
+        for mine, theirs in zip(joiner.outer.outer_parameters, peer.outer.outer_parameters):
+            assert torch.equal(mine, theirs)
+            assert torch.equal(joiner.outer.outer_optimizer.state[mine]["momentum_buffer"],
+                               peer.outer.outer_optimizer.state[theirs]["momentum_buffer"])
+        assert _flat(joiner.outer._state_tensors()[len(joiner.outer.outer_parameters):]).abs().max() > 0
+    finally:
+        if joiner is not None:
+            joiner.shutdown()
+        peer.shutdown()
