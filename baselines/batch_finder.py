@@ -1,12 +1,12 @@
 """Find the largest per-device batch that fits: `--batch-size auto` of baselines/run.py.
 
-Each trial is its own process (`python -m baselines.batch_finder --trial B ...`) that loads the run's dataset,
-builds its model and optimizer and takes a few forward + backward + optimizer steps on random images of the run's
-shape, so its peak memory belongs to that batch size alone (a process's peak RSS never goes down, and a CUDA context
-that has hit an OOM is fragmented). A batch fits on a GPU when no `torch.cuda.OutOfMemoryError` is raised (and,
-with a budget, when `torch.cuda.max_memory_allocated` stays within it); on a CPU when the trial's peak RSS stays
-within the budget. The search doubles from a start size until a trial fails, then bisects until the gap is within
-`tolerance` of the size.
+Each trial is its own process (`python -m baselines.batch_finder --trial B ...`) that loads the run's dataset
+(unless the run trains on generated data: `--no-dataset`), builds its model and optimizer and takes a few forward +
+backward + optimizer steps on random images of the run's shape, so its peak memory belongs to that batch size alone
+(a process's peak RSS never goes down, and a CUDA context that has hit an OOM is fragmented). A batch fits on a GPU
+when no `torch.cuda.OutOfMemoryError` is raised (and, with a budget, when `torch.cuda.max_memory_allocated` stays
+within it); on a CPU when the trial's peak RSS stays within the budget. The search doubles from a start size until a
+trial fails, then bisects until the gap is within `tolerance` of the size.
 
 What a trial does not hold: Lightning's Trainer, DataLoader batches in flight (and their workers), and DDP's gradient
 buckets (about one more copy of the gradients). The run record keeps the real run's peak memory per rank, so the
@@ -64,6 +64,9 @@ class TrialSpec:
     threads: int | None = None
     data_dir: str | None = None  # the run's --data-dir: a trial holds the same dataset in memory as the run
     steps: int = 3  # optimizer steps per trial: the first allocates Adam's state, the rest show the steady peak
+    # False for runs that train on generated data and hold no dataset (benchmarks/gpu_proof.py): the trial then
+    # skips loading the preset's dataset, which may not even be on the machine.
+    load_dataset: bool = True
 
 
 @dataclass
@@ -93,6 +96,8 @@ def run_trial(spec: TrialSpec, batch_size: int, budget_bytes: int | None) -> Tri
         cmd += ["--threads", str(spec.threads)]
     if spec.data_dir:
         cmd += ["--data-dir", spec.data_dir]
+    if not spec.load_dataset:
+        cmd.append("--no-dataset")
     import psutil
 
     started = time.monotonic()
@@ -180,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("32", "bf16-mixed", "16-mixed"), default="32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of each trial")
     parser.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
+    parser.add_argument("--no-dataset", action="store_true",
+                        help="the run trains on generated data: do not load the preset's dataset (by default a trial"
+                             " holds it in memory, as the run does)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trial")
     parser.add_argument("--memory-budget", default=None,
                         help="peak memory a batch may use: RSS on a CPU (required there), allocated memory on a GPU")
@@ -197,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(code)
     try:
         budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-        spec = TrialSpec(args.preset, args.device, args.precision, args.threads, args.data_dir, args.steps)
+        spec = TrialSpec(args.preset, args.device, args.precision, args.threads, args.data_dir, args.steps,
+                         load_dataset=not args.no_dataset)
         result = find_batch_size(spec, budget, start=args.start, cap=args.cap, tolerance=args.tolerance)
     except (ValueError, BatchSearchError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -213,15 +222,16 @@ def _trial(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from hivetrain.config import get_preset
-    from hivetrain.data import make_datamodule
     from hivetrain.model import create_model
     from hivetrain.module import make_optimizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     config = get_preset(args.preset)
-    # The run holds its dataset in memory: so does the trial.
-    make_datamodule(config, args.data_dir).setup()
+    if not args.no_dataset:  # the run holds its dataset in memory: so does the trial
+        from hivetrain.data import make_datamodule
+
+        make_datamodule(config, args.data_dir).setup()
     # Memory does not depend on where the weights come from: skip pretrained weights (no hub, no file needed).
     model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(args.device)
     optimizer, _ = make_optimizer(model, config.optim)
