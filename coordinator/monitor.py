@@ -43,7 +43,10 @@ class SwarmMonitor:
         # hivemind's records carry each peer's throughput as its optimizer measures it; ours back them up while a
         # peer has not published progress yet (hivemind waits for its first samples).
         samples_per_second = progress.samples_per_second or sum(r.samples_per_second for r in records)
-        target = self.config.swarm.target_batch_size
+        swarm = self.config.swarm
+        # diloco: a round is due after H steps of the run's batch per peer (hivetrain.diloco.RoundTracker)
+        target = (swarm.inner_steps * self.config.batch_size * max(1, progress.peers) if swarm.mode == "diloco"
+                  else swarm.target_batch_size)
         remaining = max(0, target - progress.samples_accumulated)
         losses = [r.loss for r in records if r.loss is not None]
         snapshot = SwarmSnapshot(

@@ -23,7 +23,7 @@ DEFAULT_PORT = 31337
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS
+    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS, SWARM_MODES
 
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py",
@@ -49,8 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="the key that signs the run's tokens (default: ~/.cache/hivetrain/<run-id>/authority.key;"
                           " created on first use)")
     swarm = parser.add_argument_group("swarm settings (published to every peer; default: the preset's)")
+    swarm.add_argument("--mode", choices=SWARM_MODES, default=None,
+                       help="sync: gradients averaged every swarm step; diloco: each peer takes --inner-steps steps of"
+                            " its own optimizer, then the peers average the pseudo-gradient and take one outer step")
+    swarm.add_argument("--inner-steps", type=int, default=None, metavar="H",
+                       help="diloco: local steps per peer between outer rounds")
+    swarm.add_argument("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate")
+    swarm.add_argument("--outer-momentum", type=float, default=None,
+                       help="diloco: the outer SGD's Nesterov momentum (0: plain SGD)")
     swarm.add_argument("--target-batch-size", type=int, default=None, metavar="N",
-                       help="samples the swarm accumulates per optimizer step (one swarm epoch)")
+                       help="sync: samples the swarm accumulates per optimizer step (one swarm epoch)")
     swarm.add_argument("--matchmaking-time", type=float, default=None, metavar="S",
                        help="seconds a peer waits for others to form an averaging group")
     swarm.add_argument("--grad-compression", choices=COMPRESSIONS, default=None,
@@ -92,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--target-batch-size must be at least 1")
     if args.average_state_every is not None and args.average_state_every < 1:
         parser.error("--average-state-every must be at least 1")
+    if args.inner_steps is not None and args.inner_steps < 1:
+        parser.error("--inner-steps must be at least 1")
+    if args.outer_lr is not None and args.outer_lr <= 0:
+        parser.error("--outer-lr must be positive")
+    if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
+        parser.error("--outer-momentum must be in [0, 1)")
     if args.matchmaking_time is not None and args.matchmaking_time <= 0:
         parser.error("--matchmaking-time must be positive")
     return args
@@ -106,7 +120,8 @@ def run_config(args: argparse.Namespace):
         config = config.replace(run_id=args.run_id)
     overrides = dict(target_batch_size=args.target_batch_size, matchmaking_time=args.matchmaking_time,
                      grad_compression=args.grad_compression, state_compression=args.state_compression,
-                     average_state_every=args.average_state_every)
+                     average_state_every=args.average_state_every, mode=args.mode, inner_steps=args.inner_steps,
+                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
     overrides = {key: value for key, value in overrides.items() if value is not None}
     if overrides.get("target_batch_size", config.batch_size) < config.batch_size:
         raise ValueError(f"--target-batch-size {args.target_batch_size} is below the run's per-step batch"
@@ -256,7 +271,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from torch.utils.tensorboard import SummaryWriter
 
     from coordinator.monitor import SwarmMonitor, Validator
-    from coordinator.state import StateHolder
+    from coordinator.state import make_state_holder
     from hivetrain.metrics_store import RunInfo
     from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, raise_if_leaving, visible_addresses
 
@@ -277,7 +292,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                            coordinator_peer_id=dht.peer_id.to_base58(), started=time.time()))
     print(f"Metrics: {writer.path}; TensorBoard: {log_dir / 'tensorboard'}; checkpoints: {checkpoints.uri}", flush=True)
     tensorboard = SummaryWriter(str(log_dir / "tensorboard"))
-    holder = StateHolder(dht, config, resume, device=torch.device(device))
+    holder = make_state_holder(dht, config, resume, device=torch.device(device))
     monitor = SwarmMonitor(dht, config, writer, tensorboard, start_epoch=holder.epoch)
     stop = threading.Event()
     validation = None

@@ -1,5 +1,5 @@
 """The coordinator's own copy of the run's state (parameters, optimizer statistics, epoch), held as an auxiliary
-hivemind peer.
+hivemind peer: StateHolder for sync runs, OuterStateHolder for diloco runs (outer parameters, outer momentum, round).
 
 It never trains and never joins averaging rounds: it downloads the newest state from the volunteers when asked, and
 serves what it holds to joiners. So the state survives when every volunteer has left, and `--resume` starts a run
@@ -19,11 +19,18 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
+from hivetrain.diloco import OuterState, outer_state_prefix
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
 
 logger = logging.getLogger(__name__)
+
+
+def make_state_holder(dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
+                      device: torch.device = torch.device("cpu")):
+    holder = OuterStateHolder if config.swarm.mode == "diloco" else StateHolder
+    return holder(dht, config, resume, device=device)
 
 
 class StateHolder:
@@ -91,3 +98,55 @@ class StateHolder:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+class OuterStateHolder:
+    """A diloco run's state: the outer parameters and outer momentum of round `epoch`, in an OuterState that never
+    joins a round. The same contract as StateHolder (epoch, has_state, load_from_peers, model, checkpoint); its
+    checkpoints carry the outer optimizer's state (the momentum) as their optimizer state."""
+
+    def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
+                 device: torch.device = torch.device("cpu"), load_timeout: float = 60.0):
+        self.config, self.load_timeout = config, load_timeout
+        self.model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(device)
+        if resume is not None:
+            self.model.load_state_dict(resume.weights)
+        swarm = config.swarm
+        self.outer = OuterState(
+            list(self.model.parameters()), dht, outer_state_prefix(config.run_id), swarm.outer_lr, swarm.outer_momentum,
+            state_compression=COMPRESSION[swarm.state_compression](), next_chunk_timeout=swarm.next_chunk_timeout,
+            allow_state_sharing=False,
+        )
+        if resume is not None:  # the weights went into the outer parameters above; the momentum and round follow
+            state = (resume.optimizer or {}).get("state", {})
+            momentum = [state[i]["momentum_buffer"] for i in sorted(state) if "momentum_buffer" in state[i]]
+            if not self.outer.set_state(resume.epoch, [*self.outer.outer_parameters, *momentum]):
+                raise ValueError("the checkpoint's outer optimizer state does not fit this run's model")
+            self._offer()
+
+    @property
+    def epoch(self) -> int:
+        return self.outer.round
+
+    @property
+    def has_state(self) -> bool:
+        return self.outer.allow_state_sharing
+
+    def _offer(self) -> None:
+        self.outer.state_sharing_priority = self.outer.round
+        self.outer.allow_state_sharing = True
+
+    def load_from_peers(self) -> bool:
+        """Download the newest outer state; True when it is of a newer round than the one held."""
+        before = self.epoch
+        if self.outer.load_from_peers(timeout=self.load_timeout) and self.epoch > before:
+            self.outer.copy_to(list(self.model.parameters()))
+            self._offer()
+            return True
+        return False
+
+    def checkpoint(self, metrics: dict) -> Checkpoint:
+        return Checkpoint.from_model(self.model, self.config, self.epoch, metrics, self.outer.outer_optimizer)
+
+    def shutdown(self) -> None:
+        self.outer.shutdown()

@@ -1,6 +1,6 @@
-"""DiLoCo rounds over hivemind: each peer trains H steps of its own optimizer, then the swarm averages the
-pseudo-gradient (outer parameters minus local parameters, weighted by the samples behind it) and every peer applies the
-same outer step (SGD with Nesterov momentum) to the shared outer parameters and goes on from them.
+"""DiLoCo rounds over hivemind: each peer trains H steps of its own optimizer, then the swarm takes one outer step
+(SGD with Nesterov momentum) on the pseudo-gradient (outer parameters minus local parameters) averaged over the peers,
+weighted by the samples behind each, and every peer goes on from the new outer parameters.
 
 Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models": one all-reduce per H
 local steps instead of one per step. Built on hivemind 1.1.12's own pieces, without a fork: a `DecentralizedAverager`
@@ -36,8 +36,16 @@ def outer_state_prefix(run_id: str) -> str:
 
 
 class OuterState(DecentralizedAverager):
-    """The swarm's shared outer parameters and outer momentum (on the host, float32), the round they belong to, and
-    the pseudo-gradient buffers it averages with the others. Served to joiners as (round, parameters + momentum)."""
+    """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
+
+    A round takes the outer step locally, on this peer's own pseudo-gradient, and then averages the resulting outer
+    parameters and momentum with the group, weighted by samples. The outer step is linear in (parameters, momentum,
+    pseudo-gradient), so when the peers start from the same state this equals the outer step on the weighted mean
+    pseudo-gradient, as DiLoCo defines it. Averaging the state rather than the pseudo-gradient costs the momentum's
+    bytes too, and buys what a volunteer swarm needs: peers whose states went apart (a round that failed part-way, a
+    peer that stepped alone) are back in line after their next round together, instead of drifting for good.
+
+    Joiners download (round, parameters + momentum)."""
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
@@ -45,13 +53,15 @@ class OuterState(DecentralizedAverager):
         self.outer_parameters = [p.detach().to("cpu", torch.float32, copy=True) for p in parameters]
         self.outer_optimizer = torch.optim.SGD(self.outer_parameters, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=outer_momentum > 0)
-        if outer_momentum > 0:  # zeros from the start, so that the state a joiner downloads always has them
+        if outer_momentum > 0:  # zeros from the start: the averaged and downloaded state always has them
             for param in self.outer_parameters:
                 self.outer_optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
         self.round = 0
-        self.lock_outer = threading.Lock()  # a download never sees half an outer step
-        pseudo_gradients = [torch.zeros_like(p) for p in self.outer_parameters]
-        super().__init__(averaged_tensors=pseudo_gradients, dht=dht, prefix=prefix, compression=compression,
+        # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
+        # peer's alone, and a joiner must not download it.
+        self.round_lock = threading.Lock()
+        # The averaged tensors are the state itself (hivemind moves them to shared memory in place).
+        super().__init__(averaged_tensors=self._state_tensors(), dht=dht, prefix=prefix, compression=compression,
                          state_compression=state_compression, start=True, **kwargs)
 
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -60,13 +70,26 @@ class OuterState(DecentralizedAverager):
         return [*self.outer_parameters, *momentum]
 
     def get_current_state(self):
-        with self.lock_outer:
-            return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
+        with self.round_lock, self.get_tensors() as tensors:  # a copy: the state may change while it is sent
+            return dict(round=self.round), [t.clone() for t in tensors], None
+
+    def set_state(self, round_: int, tensors: Sequence[torch.Tensor]) -> bool:
+        """Take a state (from a peer or a checkpoint) after checking it: a round number, one tensor of the right shape
+        per parameter and momentum buffer, finite values. Anything else is skipped with a warning; True when taken."""
+        with self.get_tensors() as mine:
+            if (not isinstance(round_, int) or round_ < 0 or len(tensors) != len(mine)
+                    or any(not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(tensors, mine))
+                    or not all(torch.isfinite(t).all() for t in tensors)):
+                logger.warning("Skipping a malformed outer state")
+                return False
+            with torch.no_grad():
+                for m, t in zip(mine, tensors):
+                    m.copy_(t)
+            self.round = round_
+        return True
 
     def load_from_peers(self, timeout: Optional[float] = None) -> bool:
-        """Take the newest outer state another peer serves. What arrives is checked (a round number, one tensor of
-        the right shape per parameter and momentum buffer, finite values): anything else is skipped with a warning.
-        True when a state was loaded."""
+        """Take the newest outer state another peer serves; True when one was loaded."""
         try:
             loaded = self.load_state_from_peers(timeout=timeout)
         except Exception as e:  # a peer that vanished mid-download, a timeout
@@ -75,50 +98,42 @@ class OuterState(DecentralizedAverager):
         if loaded is None:
             return False
         metadata, tensors = loaded
-        expected = self._state_tensors()
-        round_ = metadata.get("round") if isinstance(metadata, dict) else None
-        if (not isinstance(round_, int) or round_ < 0 or len(tensors) != len(expected)
-                or any(t.shape != e.shape for t, e in zip(tensors, expected))
-                or not all(torch.isfinite(t).all() for t in tensors)):
-            logger.warning("Skipping a malformed outer state from a peer")
-            return False
-        with self.lock_outer, torch.no_grad():
-            for mine, theirs in zip(expected, tensors):
-                mine.copy_(theirs)
-            self.round = round_
-        return True
+        return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
 
     def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
                    timeout: Optional[float]) -> Optional[bool]:
-        """One round: this peer's pseudo-gradient, averaged with the group's (weighted by `weight`) unless `timeout`
-        is None (alone), then the outer step. Returns True when averaged with others, False when it stepped alone,
-        None when the round with others failed (nothing was applied: the caller reloads the swarm's state)."""
-        with torch.no_grad(), self.get_tensors() as pseudo_gradients:
-            for buffer, outer, local in zip(pseudo_gradients, self.outer_parameters, local_parameters):
-                buffer.copy_(outer)
-                buffer.sub_(local.detach().to("cpu", torch.float32))
-        averaged = False
-        if timeout is not None:
-            try:
-                gathered = self.step(weight=weight, timeout=timeout, gather=self.round, allow_retries=False)
-            except Exception as e:  # no group, a groupmate that vanished mid-round
-                logger.info(f"Outer round {self.round} failed: {type(e).__name__}: {e}")
-                return None
-            if gathered is None or any(not isinstance(r, int) or r > self.round for r in gathered.values()):
-                return None  # groupmates ahead of this peer: it is stale, reload
-            averaged = len(gathered) > 1
-        with self.lock_outer, self.get_tensors() as pseudo_gradients:
-            for param, gradient in zip(self.outer_parameters, pseudo_gradients):
-                param.grad = gradient
+        """One round: the outer step on this peer's pseudo-gradient (outer minus local parameters), then, unless
+        `timeout` is None (alone), the state averaged with the group, weighted by `weight`. Returns True when averaged
+        with others, False when alone, None when averaging failed (the peer keeps its own step)."""
+        with self.round_lock:
+            return self._outer_step(local_parameters, weight, timeout)
+
+    def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
+                    timeout: Optional[float]) -> Optional[bool]:
+        with self.get_tensors(), torch.no_grad():
+            for outer, local in zip(self.outer_parameters, local_parameters):
+                outer.grad = outer - local.detach().to("cpu", torch.float32)
             self.outer_optimizer.step()
-            for param in self.outer_parameters:
-                param.grad = None
-            self.round += 1
-        self.state_sharing_priority = self.round  # joiners ask the peers with the newest round first
-        return averaged
+            for outer in self.outer_parameters:
+                outer.grad = None
+        started_round, self.round = self.round, self.round + 1
+        if timeout is None:
+            return False
+        try:
+            # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
+            # progress, and a slow peer after its current step.
+            gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
+        except Exception as e:  # no group, a groupmate that vanished mid-round
+            logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
+            return None
+        if gathered is None:
+            return None
+        # Groupmates that came from a later round bring this peer's round number up with the state they averaged in.
+        self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
+        return len(gathered) > 1
 
     def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
-        with self.lock_outer, torch.no_grad():
+        with self.get_tensors(), torch.no_grad():
             for local, outer in zip(local_parameters, self.outer_parameters):
                 local.copy_(outer)
 
@@ -180,8 +195,7 @@ class DiLoCoRounds:
             self.samples = 0
             with self.tracker.pause_updates():
                 self.tracker.update_epoch(self.outer.round)
-            if loaded:
-                self.outer.state_sharing_priority = self.outer.round
+            self.outer.state_sharing_priority = self.outer.round
             return loaded
         finally:
             self.swarm_seconds += time.perf_counter() - started
@@ -202,38 +216,46 @@ class DiLoCoRounds:
             logger.warning(f"Missed outer round {self.outer.round}: loading the swarm's state")
             self.load_state_from_peers()
             return True
-        if not self.tracker.ready_to_update_epoch:
+        if not self.round_due:
             return False
         self.run_round()
         return True
 
+    @property
+    def round_due(self) -> bool:
+        """Samples the peers reported for this round (this peer's own counted at once) reach the target. hivemind's
+        own readiness also fires on an estimated time of arrival, which let a peer that had just joined start a
+        round at its first step, before the others were due."""
+        return self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
+
     def run_round(self) -> None:
-        """Average the pseudo-gradient with whoever is in the round (alone: this peer's own), take the outer step and
-        continue from the new outer parameters. A round with others that failed applies nothing: the peer loads the
-        swarm's state instead (its inner steps since the last round are lost), so every peer's outer parameters stay
-        the same."""
+        """Take the outer step and average the state with whoever is in the round (alone: this peer's step only),
+        then continue from the new outer parameters. A round that failed with others keeps this peer's own step: its
+        state rejoins the others' at its next round together."""
         if not self.samples:
             return  # nothing trained since the last round: nothing to contribute (a zero weight)
         started = time.perf_counter()
+        round_ = self.outer.round
         try:
             with self.tracker.pause_updates():
                 others = self.tracker.global_progress.num_peers > 1
                 result = self.outer.outer_step(self.parameters, weight=float(self.samples),
                                                timeout=self.averaging_timeout if others else None)
-                if result is not None:
-                    self.outer.copy_to(self.parameters)
-                    self.samples = 0
-                    self.tracker.update_epoch(self.outer.round)
+                self.outer.copy_to(self.parameters)
+                self.samples = 0
+                self.tracker.update_epoch(self.outer.round)
+            self.outer.state_sharing_priority = self.outer.round  # joiners ask the peers with the newest round first
         finally:
             self.swarm_seconds += time.perf_counter() - started
         if result is None:
             self.rounds_failed += 1
-            logger.warning(f"Outer round {self.outer.round} was missed: loading the swarm's state")
-            self.load_state_from_peers()
+            logger.warning(f"Outer round {round_} could not be averaged with the swarm: this peer took its own step")
         elif result:
             self.rounds_averaged += 1
+            logger.info(f"Outer round {round_}: averaged with the swarm")
         else:
             self.rounds_alone += 1
+            logger.info(f"Outer round {round_}: alone")
 
     def shutdown(self) -> None:
         self.tracker.shutdown()

@@ -145,6 +145,10 @@ def test_a_late_joiner_gets_the_outer_parameters_and_momentum(dhts):
             assert torch.equal(joiner.outer.outer_optimizer.state[mine]["momentum_buffer"],
                                peer.outer.outer_optimizer.state[theirs]["momentum_buffer"])
         assert _flat(joiner.outer._state_tensors()[len(joiner.outer.outer_parameters):]).abs().max() > 0
+        # what a peer serves is checked before it is taken: a state of the wrong shape changes nothing
+        before = _flat(joiner.outer.outer_parameters)
+        assert not joiner.outer.set_state(5, [torch.zeros(3)])
+        assert joiner.round == 3 and torch.equal(_flat(joiner.outer.outer_parameters), before)
     finally:
         if joiner is not None:
             joiner.shutdown()

@@ -1,0 +1,104 @@
+"""A diloco run on loopback: a coordinator and volunteer peers, each its own process, train the demo preset in DiLoCo
+rounds; one peer dies mid-round, another joins late, and the coordinator validates, keeps the best checkpoint and
+resumes a run from it."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import Process, start_coordinator
+from hivetrain.checkpoint import load_checkpoint
+from hivetrain.config import get_preset
+from hivetrain.model import create_model, load_weights
+
+STOP_AT = 16
+DIES_AT = 3  # the outer round in which peer d dies
+DILOCO = ("--preset", "demo", "--mode", "diloco", "--inner-steps", "8")
+ROUND_LINE = re.compile(r"Outer round (\d+): (.+)$")
+
+
+def _flat(path) -> torch.Tensor:
+    config = get_preset("demo")
+    model = create_model(config.model, seed=config.seed)
+    load_weights(path, model)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("diloco")
+    started: list[Process] = []
+
+    def spawn(name, *args):
+        started.append(Process(list(args), tmp / f"{name}.log"))
+        return started[-1]
+
+    try:
+        coordinator, addresses = start_coordinator(spawn, tmp, *DILOCO, "--refresh", "1")
+        peers = {}
+        common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
+        for name in ("a", "b"):
+            peers[name] = spawn(name, "peers/join.py", *common, "--name", name, "--min-peers", "3",
+                                "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"))
+        peers["d"] = spawn("d", "tests/dying_peer.py", str(DIES_AT), *common, "--name", "d", "--min-peers", "3")
+        peers["a"].wait_for(r"^swarm epoch ([3-9]|\d\d) ", timeout=240)
+        peers["c"] = spawn("c", "peers/join.py", *common, "--name", "c", "--stop-at-epoch", str(STOP_AT),
+                           "--save-weights", str(tmp / "c.safetensors"))
+        codes = {name: peers[name].wait(timeout=300) for name in ("a", "b", "c")}
+        codes["d"] = peers["d"].wait(timeout=30)
+        yield tmp, coordinator, peers, codes, addresses
+    finally:
+        for process in reversed(started):
+            process.stop()
+
+
+def test_peers_train_in_rounds_and_hold_the_same_outer_parameters(diloco_run):
+    tmp, _, peers, codes, _ = diloco_run
+    assert codes["a"] == 0 and codes["b"] == 0 and codes["c"] == 0, codes
+    averaged = [int(m.group(1)) for line in peers["a"].lines if (m := ROUND_LINE.search(line))
+                and m.group(2) == "averaged with the swarm"]
+    assert len(averaged) >= STOP_AT // 2, peers["a"].lines
+    weights = {name: _flat(tmp / f"{name}.safetensors") for name in ("a", "b", "c")}
+    config = get_preset("demo")
+    initial = torch.cat([p.detach().flatten() for p in create_model(config.model, seed=config.seed).parameters()])
+    moved = (weights["a"] - initial).abs().max().item()
+    assert moved > 0.05
+    # Every round averages the peers' outer states; all-reduce returns each peer its own value plus the delta to
+    # the average, so they agree to float rounding, not always bit for bit.
+    for name in ("b", "c"):
+        torch.testing.assert_close(weights[name], weights["a"], rtol=0, atol=1e-5)
+
+
+def test_a_peer_killed_mid_round_does_not_stop_the_others(diloco_run):
+    _, _, peers, codes, _ = diloco_run
+    died = peers["d"].wait_for(r"Dying in outer round (\d+), stage RUNNING_ALLREDUCE", timeout=1)
+    assert int(died.group(1)) == DIES_AT and codes["d"] == -9
+    epochs_a = [int(m.group(1)) for line in peers["a"].lines if (m := re.match(r"swarm epoch (\d+) ", line))]
+    assert epochs_a[-1] == STOP_AT and epochs_a == sorted(epochs_a)
+
+
+def test_a_late_joiner_continues_from_the_swarms_round(diloco_run):
+    _, _, peers, _, _ = diloco_run
+    joined_at = int(peers["c"].wait_for(r"Starting at swarm epoch (\d+)", timeout=1).group(1))
+    assert joined_at >= 3
+    epochs_c = [int(m.group(1)) for line in peers["c"].lines if (m := re.match(r"swarm epoch (\d+) ", line))]
+    assert epochs_c and joined_at < epochs_c[0] and epochs_c[-1] == STOP_AT
+
+
+def test_the_coordinator_validates_and_resumes_the_outer_state(diloco_run, spawn, tmp_path):
+    tmp, coordinator, _, _, _ = diloco_run
+    top1 = [float(m.group(2)) for line in coordinator.lines
+            if (m := re.match(r"validation at swarm epoch (\d+): top-1 ([\d.]+)", line))]
+    assert len(top1) >= 3 and top1[-1] > top1[0] and max(top1) > 0.7, top1
+    checkpoint = load_checkpoint(tmp / "coordinator" / "checkpoints")
+    assert checkpoint.config.swarm.mode == "diloco" and checkpoint.epoch >= 3
+    momentum = checkpoint.optimizer["state"][0]["momentum_buffer"]
+    assert momentum.abs().max() > 0  # the outer momentum travels with the checkpoint
+    # A new run resumed from that checkpoint serves its round, outer parameters and momentum to its first joiner.
+    _, addresses = start_coordinator(spawn, tmp_path, *DILOCO, "--resume", str(tmp / "coordinator" / "checkpoints"),
+                                     "--validate-every", "0", name="resumed")
+    joiner = spawn("joiner", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1",
+                   "--max-steps", "1", "--save-weights", str(tmp_path / "joiner.safetensors"))
+    assert joiner.wait(timeout=120) == 0
+    assert int(joiner.wait_for(r"Starting at swarm epoch (\d+)", timeout=1).group(1)) == checkpoint.epoch
