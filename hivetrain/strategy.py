@@ -168,7 +168,8 @@ class HivemindStrategy(Strategy):
 
     @property
     def num_peers(self) -> int:
-        return self.tracker.global_progress.num_peers if self.tracker is not None else 1
+        """Training peers the swarm's progress records show; at least this one, also before its first record."""
+        return max(1, self.tracker.global_progress.num_peers) if self.tracker is not None else 1
 
     @property
     def epoch_samples(self) -> int:

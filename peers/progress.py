@@ -70,7 +70,7 @@ class SwarmProgress(pl.Callback):
             now = time.monotonic()
             throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(now - self._epoch_started, 1e-6)
             loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
-            line = (f"swarm epoch {epoch} | {max(1, trainer.strategy.num_peers)} peer(s) | {throughput:.0f} samples/s"
+            line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
                     f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
             bar = trainer.progress_bar_callback
             bar.print(line) if bar is not None else print(line, flush=True)
