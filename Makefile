@@ -16,6 +16,14 @@ dashboard: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) -m hivetrain.bench $(or $(SUITE),join)
 
+# The GPU proof (benchmarks/gpu_proof.py): logbook/gpu.md on a machine with a CUDA GPU, one line saying so elsewhere.
+# No install step: the GPU machines have no network and run it with their own python3 (hivemind from .whl/, see
+# baselines/README.md, "GPU proof"); here it uses .venv's Python when there is one. Options: ARGS="--no-swarm ...".
+.PHONY: gpu-proof
+GPU_PROOF_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-proof:
+	$(GPU_PROOF_PYTHON) -m benchmarks.gpu_proof $(ARGS)
+
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh
 	$(PY) -m pytest -v

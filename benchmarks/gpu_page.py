@@ -1,0 +1,312 @@
+"""The GPU proof's page: logbook/gpu.md and its plots, rendered from one recorded run (JSON) and nothing else.
+
+    python -m benchmarks.gpu_page logbook/gpu-records/gpu-proof-20261125T120000.json [--out logbook]
+
+`python -m benchmarks.gpu_proof` records a run and calls `render_gpu_page`; this command renders the page again from
+a record (its raw nvidia-smi files are in the folder named by the record's `artifacts`, beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from hivetrain.logbook import fmt_bytes, fmt_percent, fmt_seconds
+
+PAGE_NAME = "gpu.md"
+SPEED_PLOT = "gpu-speed.png"
+UTILISATION_PLOT = "gpu-utilisation.png"
+
+
+def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
+    """Write `out_dir`/gpu.md and its plots from `record` (as gpu_proof writes it, read from `records_dir`, where its
+    artifacts folder is); returns the page's path. A record marked `example` says so at the top of the page."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    artifacts = records_dir / record["artifacts"]
+    link = lambda path: os.path.relpath(path, out_dir)  # noqa: E731 - the page's links are relative to the page
+    env, data = record["environment"], record["data"]
+    gpus = env["gpus"]
+    gpu_text = ", ".join(f"{g['name']} ({fmt_bytes(g['memory_total_bytes'])})" for g in gpus) or "none seen by NVML"
+    title_gpu = gpus[0]["name"] if gpus else "a CUDA GPU"
+    lines = [f"# GPU proof: ViT-B/32 on {title_gpu}", ""]
+    if record.get("example"):
+        lines += ["> **Example record, not a measurement.** This page was rendered from a hand-written example record"
+                  " (a test fixture); none of its numbers were measured.", ""]
+    lines += [
+        f"Measured by `{record['command']}` on {env['date']}, commit `{env['commit']}` ({env['host']}; {env['cpu']}).",
+        f"GPUs: {gpu_text}; NVIDIA driver {env.get('driver') or 'unknown'}; {env['cuda_device_count']} visible to CUDA."
+        f" Python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}),"
+        f" hivemind {env.get('hivemind') or 'not installed'}. The whole proof took"
+        f" {fmt_seconds(record['wall_time_s'])}.",
+        "",
+        f"**Data: {data['origin']}.** uint8 images of {'×'.join(map(str, data['image_shape']))} with labels of"
+        f" {data['num_classes']} classes, {data['train_samples']:,} for training and {data['val_samples']:,} for"
+        f" validation, seed {data['seed']}, made on the fly by DataLoader workers and resized to"
+        f" {record['model']['img_size']} px and normalised on the GPU. They are noise: accuracy means nothing here"
+        " (validation top-1 stays at chance, about 10%); speed and memory are those of the real model.",
+        "",
+        f"**Model:** timm `{record['model']['name']}`, random init, {record['model']['num_classes']} classes,"
+        f" at {record['model']['img_size']} px, with the `{record['model']['optimizer_preset']}` preset's AdamW;"
+        " plain PyTorch training steps (autocast for mixed precision, a gradient scaler for 16-mixed), no"
+        " torch.compile.",
+        "",
+    ]
+    lines += _batch_section(record)
+    lines += _speed_section(record, out_dir)
+    lines += _swarm_section(record, artifacts, link)
+    lines += _recording_section(record, out_dir, artifacts, link)
+    record_file = records_dir / f"{record['name']}.json"
+    lines += ["## The record", "",
+              f"Everything above comes from [{record_file.name}]({link(record_file)}) and the raw files beside it;"
+              f" `python -m benchmarks.gpu_page {record_file} --out {out_dir}` renders this page again from it.", ""]
+    page = out_dir / PAGE_NAME
+    page.write_text("\n".join(lines).rstrip("\n") + "\n")
+    return page
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return out + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+
+
+def _batch_section(record: dict) -> list[str]:
+    settings = record["settings"]
+    rows, details = [], []
+    for entry in record["precisions"]:
+        search = entry["search"]
+        if search.get("error"):
+            rows.append([f"`{entry['precision']}`", "–", "–", "–", "–", f"failed: {search['error']}"])
+            continue
+        trials = search["trials"]
+        best = next((t for t in trials if t["fits"] and t["batch_size"] == search["batch_size"]), None)
+        note = f"the finder's cap ({search['cap']}): a larger batch may fit" if search["batch_size"] >= search["cap"] \
+            else f"{min(t['batch_size'] for t in trials if not t['fits'])} did not fit"
+        rows.append([f"`{entry['precision']}`", str(search["batch_size"]), fmt_bytes(best and best["peak_bytes"]),
+                     str(len(trials)), fmt_seconds(sum(t["seconds"] for t in trials)), note])
+        steps = ", ".join(f"{t['batch_size']} {'fits' if t['fits'] else 'no: ' + t['reason']}"
+                          + (f" ({fmt_bytes(t['peak_bytes'])})" if t["peak_bytes"] else "") for t in trials)
+        details.append(f"- `{entry['precision']}`: {steps}")
+    return [
+        "## The largest batch per precision", "",
+        *_table(["precision", "largest batch", "peak memory (that trial)", "trials", "search time",
+                 "smallest that failed"], rows),
+        "",
+        "Found against the GPU's real memory by the project's batch finder (`baselines/batch_finder.py`, the search of"
+        " `--batch-size auto`): each trial is its own process that builds the model and optimizer and takes 3"
+        " training steps on one batch; a batch fits when CUDA does not run out of memory. The search doubles from"
+        f" {settings['search_start']} (or from the previous precision's answer, when larger) until a trial fails, then"
+        f" bisects until the gap is within {settings['search_tolerance']:g} of the answer. Peak memory is"
+        " `torch.cuda.max_memory_allocated`. Trials in order:",
+        "",
+        *details,
+        "",
+    ]
+
+
+def _speed_section(record: dict, out_dir: Path) -> list[str]:
+    rows = []
+    for entry in record["precisions"]:
+        for run in (entry["single"], entry.get("ddp")):
+            if run is None:
+                continue
+            if run.get("error"):
+                # The error says itself whether the run failed or was never started.
+                rows.append([f"`{entry['precision']}`", run.get("strategy", "?"), *["–"] * 6, run["error"]])
+                continue
+            peak = max(run["peak_memory_bytes"])
+            share = fmt_percent(100 * peak / run["total_memory_bytes"]) if run["total_memory_bytes"] else "–"
+            retries = [a["batch_size"] for a in run.get("attempts", []) if a["out_of_memory"]]
+            note = f"out of memory at {', '.join(map(str, retries))}: smaller batch" if retries else ""
+            rows.append([f"`{entry['precision']}`", f"{run['strategy']} ({run['devices']} GPU)",
+                         str(run["batch_size"]), f"{run['train_samples_per_s']:,.0f}",
+                         f"{run['val_samples_per_s']:,.0f}" if run["val_samples_per_s"] else "–",
+                         fmt_bytes(peak), share, f"{run['steps']} in {run['train_seconds']:.1f} s", note])
+    lines = [
+        "## Speed and memory at that batch", "",
+        *_table(["precision", "run", "batch per GPU", "train samples/s", "validation samples/s",
+                 "peak GPU memory", "of the GPU", "timed steps", "note"], rows),
+        "",
+        f"Training is timed after warm-up ({record['settings']['warmup_steps']} steps) for at least"
+        f" {record['settings']['speed_seconds']:g} s (whole steps, the GPU synchronised at both ends), then one pass"
+        " over the validation split. Peak memory is `torch.cuda.max_memory_allocated` since the process started"
+        " (model, optimizer state, activations), the largest over the ranks. Data: "
+        f"{record['data']['origin']}.",
+        "",
+        record["ddp_note"],
+        "",
+    ]
+    if plot_speed(record, out_dir / SPEED_PLOT):
+        lines += [f"![Training samples/s and peak GPU memory per precision]({SPEED_PLOT})", ""]
+    return lines
+
+
+def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
+    swarm = record["swarm"]
+    lines = ["## A 2-peer swarm sharing the GPU", ""]
+    if swarm.get("skipped"):
+        return lines + [f"Not run: {swarm['skipped']}", ""]
+    rows = []
+    for run in swarm["modes"]:
+        if run.get("error"):
+            rows.append([run["mode"], "–", "–", "–", "–", "–", f"failed: {run['error']}"])
+            continue
+        shares = ", ".join(f"{100 * s:.0f}%" for s in run["swarm_time_share"])
+        rows.append([run["mode"], f"{run['samples_per_s']:,.0f}", fmt_seconds(run["window_s"]), str(run["epochs"]),
+                     shares, str(run["missed_rounds"]), ""])
+    first = swarm["modes"][0] if swarm["modes"] else {}
+    lines += [
+        *_table(["swarm mode", "samples/s (both peers)", "window", "swarm epochs", "time in swarm rounds (per peer)",
+                 "missed rounds", "note"], rows),
+        "",
+        f"A coordinator and two peers of the `{swarm['preset']}` preset ({swarm['preset_note']}) on loopback, both"
+        " peers on the same GPU: `" + swarm["coordinator_command"] + "` and, per peer, `" + swarm["peer_command"]
+        + "`. Samples/s adds both peers' rates, read from their `swarm epoch N | ... | this peer: S samples` lines"
+        " while both trained.",
+        "",
+    ]
+    logs = [name for run in swarm["modes"] for name in run.get("logs", [])]
+    if logs and first:
+        lines += ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""]
+    return lines
+
+
+def _runs(record: dict) -> list[tuple[str, dict]]:
+    """(label, recording) of every run, in the order they ran."""
+    runs = []
+    for entry in record["precisions"]:
+        runs.append((f"batch search `{entry['precision']}`", entry["search"].get("recording")))
+        for run in (entry["single"], entry.get("ddp")):
+            if run is not None:
+                runs.append((f"speed `{entry['precision']}` {run.get('strategy', '')}", run.get("recording")))
+    for run in record["swarm"].get("modes", []):
+        runs.append((f"swarm {run['mode']}", run.get("recording")))
+    return [(label, recording) for label, recording in runs if recording]
+
+
+def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> list[str]:
+    rows = []
+    for label, recording in _runs(record):
+        series = recording["nvml_series"]
+        util = [s["util_percent"] for s in series]
+        memory = [s["memory_used_bytes"] for s in series]
+        files = [*recording.get("nvidia_smi_dumps", []), *([recording["nvidia_smi_csv"]]
+                                                            if recording.get("nvidia_smi_csv") else [])]
+        rows.append([label, f"{recording['started_s']:.0f}–{recording['started_s'] + recording['seconds']:.0f} s",
+                     fmt_percent(sum(util) / len(util)) if util else "–", fmt_percent(max(util)) if util else "–",
+                     fmt_bytes(max(memory)) if memory else "–",
+                     ", ".join(f"[{name.split('.', 1)[1]}]({link(artifacts / name)})" for name in files) or "–"])
+    errors = sorted({r["nvml_error"] for _, r in _runs(record) if r.get("nvml_error")})
+    lines = [
+        "## What the GPUs did", "",
+        *_table(["run", "when (since start)", "mean GPU utilisation", "max GPU utilisation", "max memory in use",
+                 "raw nvidia-smi"], rows),
+        "",
+        "Utilisation and memory in use of every GPU, from NVML every second (memory in use counts every process's"
+        " CUDA context and cache, so it exceeds the peak allocated above). For each run: `nvidia-smi`'s CSV log"
+        " every second; for speed and swarm runs, the raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION`"
+        " text taken while the run held the GPU.",
+        "",
+    ]
+    if errors:
+        lines += [f"NVML problems: {'; '.join(errors)}.", ""]
+    if record.get("start_dumps"):
+        lines += ["Before the first run: " + ", ".join(f"[{name}]({link(artifacts / name)})"
+                                                       for name in record["start_dumps"]) + ".", ""]
+    if plot_utilisation(record, out_dir / UTILISATION_PLOT):
+        lines += [f"![GPU utilisation and memory in use over the whole proof]({UTILISATION_PLOT})", ""]
+    return lines
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_speed(record: dict, path: Path) -> bool:
+    """Training samples/s and peak memory per precision, single GPU and DDP side by side; False when nothing ran."""
+    measured = [(e["precision"], run) for e in record["precisions"] for run in (e["single"], e.get("ddp"))
+                if run is not None and not run.get("error")]
+    if not measured:
+        return False
+    plt = _pyplot()
+    fig, (speed_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = [f"{precision}\n{run['strategy']} ×{run['devices']}\nbatch {run['batch_size']}"
+              for precision, run in measured]
+    speed_ax.bar(labels, [run["train_samples_per_s"] for _, run in measured], color="tab:blue")
+    speed_ax.set_ylabel("training samples/s")
+    speed_ax.set_title("Training speed")
+    memory_ax.bar(labels, [max(run["peak_memory_bytes"]) / 2**30 for _, run in measured], color="tab:orange")
+    total = measured[0][1]["total_memory_bytes"]
+    if total:
+        memory_ax.axhline(total / 2**30, color="black", linestyle="--", linewidth=1, label="GPU memory")
+        memory_ax.legend(loc="lower right")
+    memory_ax.set_ylabel("peak allocated (GiB)")
+    memory_ax.set_title("Peak GPU memory (max over ranks)")
+    fig.suptitle(f"ViT-B/32 at 224 px, {record['data']['origin']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_utilisation(record: dict, path: Path) -> bool:
+    """NVML utilisation and memory in use of each GPU over the whole proof, each run's span shaded and named."""
+    runs = _runs(record)
+    samples = [s for _, r in runs for s in r["nvml_series"]]
+    if not samples:
+        return False
+    plt = _pyplot()
+    fig, (util_ax, memory_ax) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, gpu in enumerate(sorted({s["gpu"] for s in samples})):
+        for i, (_, recording) in enumerate(runs):  # one line per run: nothing was sampled between runs
+            mine = sorted((s for s in recording["nvml_series"] if s["gpu"] == gpu), key=lambda s: s["time_s"])
+            times = [s["time_s"] for s in mine]
+            style = dict(linewidth=1, color=colours[n % len(colours)], label=f"GPU {gpu}" if i == 0 else None)
+            util_ax.plot(times, [s["util_percent"] for s in mine], **style)
+            memory_ax.plot(times, [s["memory_used_bytes"] / 2**30 for s in mine], **style)
+    for i, (label, recording) in enumerate(runs):
+        start, end = recording["started_s"], recording["started_s"] + recording["seconds"]
+        for ax in (util_ax, memory_ax):
+            ax.axvspan(start, end, color="0.9" if i % 2 else "0.8", zorder=0)
+        util_ax.text((start + end) / 2, 103, label.replace("`", ""), ha="center", va="bottom", fontsize=6,
+                     rotation=30)
+    util_ax.set_ylim(0, 100)
+    util_ax.set_ylabel("GPU utilisation (%)")
+    memory_ax.set_ylabel("memory in use (GiB)")
+    memory_ax.set_xlabel("seconds since the proof started")
+    util_ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_page", description=__doc__.split("\n\n")[0])
+    parser.add_argument("record", type=Path, help="a JSON record written by python -m benchmarks.gpu_proof")
+    parser.add_argument("--out", type=Path, default=Path("logbook"), help="where gpu.md and its plots go")
+    args = parser.parse_args(argv)
+    try:
+        record = json.loads(args.record.read_text())
+        page = render_gpu_page(record, args.out, args.record.parent)
+    except (OSError, ValueError) as e:
+        print(f"error: {args.record}: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError) as e:
+        print(f"error: {args.record}: not a GPU proof record (missing or mistyped field {e})", file=sys.stderr)
+        return 2
+    print(f"Wrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,417 @@
+"""The GPU proof: ViT-B/32 at 224 px measured on this machine's CUDA GPUs, written up in logbook/gpu.md.
+
+    python -m benchmarks.gpu_proof          # or: make gpu-proof
+    python -m benchmarks.gpu_proof --train-samples 10000 --val-samples 2000 --precisions bf16-mixed --no-swarm
+
+On synthetic data shaped like CIFAR-10 (benchmarks/synthetic_data.py), each step within a few minutes on one H100:
+
+1. the largest batch per precision (32, bf16-mixed, 16-mixed), found against the GPU's real memory by the project's
+   batch finder (baselines/batch_finder.py);
+2. training and validation samples/s and peak GPU memory (torch.cuda.max_memory_allocated) at that batch on one GPU
+   (benchmarks/gpu_speed.py), and with DDP on every GPU of the machine when it has 2 or more;
+3. a 2-peer swarm sharing the GPU in each swarm mode (`measure_swarm_modes`): coordinator/start.py and two
+   peers/join.py --device cuda, their samples/s read from the peers' epoch lines.
+
+Every run is recorded: an NVML series of each GPU's utilisation and memory every second, nvidia-smi's CSV log, and
+raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION` text. The JSON record and those files go to
+logbook/gpu-records/; the page (benchmarks/gpu_page.py) is rendered from the record alone.
+
+Without a CUDA GPU it says so in one line and exits 0. The swarm needs hivemind: on a machine without network, bring
+the wheels of scripts/prepare-gpu-wheelhouse.sh in .whl/; when hivemind is missing, this installs them with
+`python3 -m pip install -q --no-index --no-deps --no-compile --target SITE .whl/*.whl` and puts SITE on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_CUDA_LINE = "No CUDA GPU here: the GPU proof needs one; nothing was run."
+SWARM_PRESET = "digits-vit-b32"  # ViT-B/32's full state at 32 px on bundled digits: no dataset to bring along
+SWARM_PRESET_NOTE = "ViT-B/32's full state, 88M parameters, at 32 px on scikit-learn's bundled digits"
+# The swarm modes the 2-peer swarm is measured in. Only "sync" for now: coordinator/start.py's swarm mode flag is
+# being added separately; once it has landed, list its modes here and pass each one to the coordinator.
+SWARM_MODES = ["sync"]
+SPEED_TIMEOUT_S = 420  # one speed run: start, warm-up, timed window, validation pass; DDP start included
+OOM_RETRIES = 2  # a speed run that runs out of memory at the found batch tries again 1/8 smaller, this many times
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu_proof",
+        description="Measure ViT-B/32 (timm vit_base_patch32_224, random init, 10 classes) at 224 px on this"
+                    " machine's CUDA GPUs, on synthetic data shaped like CIFAR-10: the largest batch per precision"
+                    " (the project's batch finder), samples/s and peak GPU memory at it on one GPU and with DDP on"
+                    " all GPUs (when 2 or more), and a 2-peer swarm sharing the GPU; record nvidia-smi and NVML"
+                    " while each run lasts; write logbook/gpu.md and a JSON record under logbook/gpu-records/."
+                    " Without a CUDA GPU it prints one line and exits 0.",
+        epilog="On a machine without network the swarm's hivemind comes from .whl/ (scripts/prepare-gpu-wheelhouse.sh"
+               " fills it where there is network); baselines/README.md, section 'GPU proof', has the exact commands.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data = parser.add_argument_group("data (synthetic, seeded random images shaped like CIFAR-10)")
+    data.add_argument("--train-samples", type=int, default=50_000, help="training split size")
+    data.add_argument("--val-samples", type=int, default=10_000, help="validation split size (0: no validation)")
+    data.add_argument("--seed", type=int, default=0, help="seed of the images, labels and data order")
+    runs = parser.add_argument_group("what to measure")
+    runs.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                      help="precisions to search and measure, in this order")
+    runs.add_argument("--search-start", type=int, default=256,
+                      help="first batch the search tries (later precisions start from the largest answer so far)")
+    runs.add_argument("--search-tolerance", type=float, default=1 / 8,
+                      help="the search stops when fitting and failing sizes are within this fraction of the answer")
+    runs.add_argument("--warmup-steps", type=int, default=5, help="untimed training steps before the timed window")
+    runs.add_argument("--speed-seconds", type=float, default=15.0, help="length of each timed training window")
+    runs.add_argument("--swarm-minutes", type=float, default=1.0, help="how long each swarm's peers train")
+    runs.add_argument("--no-swarm", action="store_true", help="skip the 2-peer swarm")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("logbook"), help="where gpu.md and its plots go")
+    out.add_argument("--records", type=Path, default=Path("logbook/gpu-records"),
+                     help="where the JSON record and the raw nvidia-smi files go")
+    out.add_argument("--commit", default=None,
+                     help="the commit measured, for a copy of the repository without .git (default: git rev-parse"
+                          " HEAD)")
+    deps = parser.add_argument_group("hivemind on a machine without network")
+    deps.add_argument("--wheelhouse", type=Path, default=ROOT / ".whl",
+                      help="wheels from scripts/prepare-gpu-wheelhouse.sh, installed when hivemind is missing")
+    deps.add_argument("--site", type=Path, default=Path("/tmp/hivetrain-site"),
+                      help="the folder they are installed into (pip --target), put on PYTHONPATH")
+    args = parser.parse_args(argv)
+    if args.train_samples < 1:
+        parser.error("--train-samples must be at least 1")
+    if args.val_samples < 0 or args.warmup_steps < 0 or args.seed < 0:
+        parser.error("--val-samples, --warmup-steps and --seed must be 0 or more")
+    if args.search_start < 1:
+        parser.error("--search-start must be at least 1")
+    if not 0 < args.search_tolerance <= 1:
+        parser.error("--search-tolerance must be more than 0 and at most 1")
+    if args.speed_seconds <= 0 or args.swarm_minutes <= 0:
+        parser.error("--speed-seconds and --swarm-minutes must be more than 0")
+    if len(set(args.precisions)) != len(args.precisions):
+        parser.error("--precisions lists a precision twice")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(NO_CUDA_LINE, flush=True)
+        return 0
+    return run_proof(args, "python -m benchmarks.gpu_proof" + (" " + shlex.join(argv if argv is not None
+                                                                                  else sys.argv[1:])).rstrip())
+
+
+class Clock:
+    """Seconds since the proof started, in front of every line it prints."""
+
+    def __init__(self):
+        self.zero = time.monotonic()
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.zero:5.0f} s] {message}", flush=True)
+
+
+def run_proof(args: argparse.Namespace, command: str) -> int:
+    import torch
+
+    from benchmarks.gpu_monitor import write_nvidia_smi_dumps
+    from benchmarks.gpu_page import render_gpu_page
+    from benchmarks.synthetic_data import DATA_ORIGIN, IMAGE_SHAPE, NUM_CLASSES
+    from hivetrain.config import get_preset
+
+    clock = Clock()
+    name = f"gpu-proof-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}"
+    artifacts = args.records / name
+    artifacts.mkdir(parents=True, exist_ok=True)
+    # Roles and workers are started as scripts and modules of this checkout, which need not be pip-installed.
+    _prepend_pythonpath(ROOT)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random init everywhere: nothing to fetch from the hub
+    swarm_skipped = "--no-swarm was given" if args.no_swarm else ensure_hivemind(args.wheelhouse, args.site,
+                                                                                 clock.say)
+    environment = describe_environment(args.commit)
+    gpu_count = torch.cuda.device_count()
+    clock.say(f"{name}: {', '.join(g['name'] for g in environment['gpus']) or 'GPUs'}; {gpu_count} visible to CUDA;"
+              f" torch {environment['torch']} (CUDA {environment['cuda']}); data: {DATA_ORIGIN}")
+    start_dumps = write_nvidia_smi_dumps(artifacts, "start")
+
+    precisions = []
+    start = args.search_start
+    for precision in args.precisions:
+        entry: dict = dict(precision=precision)
+        entry["search"] = search_batch(precision, start, args, artifacts, clock)
+        found = entry["search"].get("batch_size")
+        if not found:
+            entry["single"] = dict(strategy="single", error="not measured: the batch search gave no answer")
+            entry["ddp"] = None
+            precisions.append(entry)
+            continue
+        start = max(start, found)
+        entry["single"] = measure_speed(precision, found, 1, args, artifacts, clock)
+        entry["ddp"] = None
+        if gpu_count >= 2:
+            # What one GPU could run, per GPU, as long as the training split holds a batch for every GPU.
+            batch = min(entry["single"].get("batch_size", found), args.train_samples // gpu_count)
+            entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock) if batch else dict(
+                strategy="ddp", devices=gpu_count,
+                error=f"not measured: --train-samples {args.train_samples} holds no batch for each of {gpu_count} GPUs")
+        precisions.append(entry)
+    ddp_note = (f"DDP ran on all {gpu_count} GPUs (one process each, NCCL) at each precision's single-GPU batch per"
+                " GPU."
+                if gpu_count >= 2 else
+                f"DDP: not run, this machine has {gpu_count} CUDA GPU; it runs on every local GPU when there are 2 or"
+                " more.")
+
+    swarm_commands = dict(
+        coordinator_command=shlex.join(["python", "coordinator/start.py", *_coordinator_args()]),
+        peer_command=shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS",
+                                 *_peer_args(args.swarm_minutes), "--threads", "1", "--min-peers", "2", "--seed",
+                                 "PEER_INDEX", "--progress-bar", "off"]),
+    )
+    swarm: dict = dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, **swarm_commands, modes=[],
+                       skipped=swarm_skipped)
+    if swarm_skipped is None:
+        swarm["modes"] = measure_swarm_modes(SWARM_MODES, args.swarm_minutes, artifacts, clock)
+    else:
+        clock.say(f"swarm: not run: {swarm_skipped}")
+
+    model = get_preset(PRESET).model
+    record = dict(
+        kind="gpu-proof", example=False, name=name, command=command, artifacts=name, environment=environment,
+        data=dict(origin=DATA_ORIGIN, image_shape=list(IMAGE_SHAPE), num_classes=NUM_CLASSES,
+                  train_samples=args.train_samples, val_samples=args.val_samples, seed=args.seed),
+        model=dict(name=model.name, img_size=model.img_size, num_classes=model.num_classes, pretrained=False,
+                   optimizer_preset=PRESET),
+        settings=dict(search_start=args.search_start, search_tolerance=args.search_tolerance,
+                      warmup_steps=args.warmup_steps, speed_seconds=args.speed_seconds,
+                      swarm_minutes=args.swarm_minutes),
+        start_dumps=start_dumps, precisions=precisions, ddp_note=ddp_note, swarm=swarm,
+        wall_time_s=round(time.monotonic() - clock.zero, 1),
+    )
+    record_path = args.records / f"{name}.json"
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
+    page = render_gpu_page(record, args.out, args.records)
+    clock.say(f"wrote {page}, {record_path} and the raw files in {artifacts}/")
+    return 0
+
+
+def describe_environment(commit: Optional[str]) -> dict:
+    """The commit, date, machine, GPUs (from NVML) and versions the page names."""
+    import torch
+
+    from benchmarks.gpu_monitor import nvml_gpus
+    from hivetrain.records import cpu_name
+
+    gpus, driver = nvml_gpus()
+    try:
+        from importlib.metadata import version
+
+        hivemind = version("hivemind")
+    except Exception:  # PackageNotFoundError, or a broken install: the page says "not installed"
+        hivemind = None
+    return dict(
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit or git_commit(),
+        host=platform.node(), cpu=cpu_name(), python=platform.python_version(), torch=torch.__version__,
+        cuda=torch.version.cuda, cudnn=str(torch.backends.cudnn.version()), hivemind=hivemind, driver=driver,
+        gpus=gpus, cuda_device_count=torch.cuda.device_count(),
+    )
+
+
+def git_commit() -> str:
+    """`git rev-parse HEAD`, marked when the working tree has uncommitted changes to tracked files."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git repository here: pass --commit)"
+    return head.stdout.strip() + (" with uncommitted changes" if changed.stdout.strip() else "")
+
+
+def _prepend_pythonpath(path: Path) -> None:
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(path) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *parts])
+
+
+def ensure_hivemind(wheelhouse: Path, site: Path, say=print) -> Optional[str]:
+    """None when hivemind can be imported, after installing it from `wheelhouse` into `site` (on PYTHONPATH) if it
+    was missing; otherwise why the swarm cannot run."""
+    if importlib.util.find_spec("hivemind") is None and not (site / "hivemind").is_dir():
+        wheels = sorted(wheelhouse.glob("*.whl"))
+        if not wheels:
+            return (f"hivemind is not installed and {wheelhouse} holds no wheels: run scripts/prepare-gpu-wheelhouse.sh"
+                    " where there is network and bring .whl/ along")
+        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                   "--target", str(site), *map(str, wheels)]
+        say(f"installing hivemind and its dependencies from {wheelhouse} ({len(wheels)} wheels) into {site}")
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            return f"installing the wheels of {wheelhouse} failed: {tail}"
+    if importlib.util.find_spec("hivemind") is None:
+        sys.path.insert(0, str(site))
+        _prepend_pythonpath(site)
+        importlib.invalidate_caches()
+        if importlib.util.find_spec("hivemind") is None:
+            return f"hivemind is neither installed nor in {site}"
+    return None
+
+
+def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts: Path, clock: Clock) -> dict:
+    """The batch finder's search on the GPU for `precision`, on generated data (no dataset loaded)."""
+    from baselines.batch_finder import MAX_BATCH, BatchSearchError, TrialSpec, find_batch_size
+    from benchmarks.gpu_monitor import RunMonitor
+
+    spec = TrialSpec(PRESET, "cuda", precision, load_dataset=False)
+    cap = min(MAX_BATCH, args.train_samples)
+    clock.say(f"batch search, {precision}: from {min(start, cap)}, at most {cap}")
+    with RunMonitor(artifacts, f"search-{precision}", clock.zero) as monitor:
+        try:
+            result = find_batch_size(spec, None, start=min(start, cap), cap=cap, tolerance=args.search_tolerance,
+                                     log=lambda line: clock.say(f"  {line}")).to_dict()
+        except BatchSearchError as e:
+            result = dict(error=str(e))
+    result["recording"] = monitor.recording
+    if "error" in result:
+        clock.say(f"batch search, {precision}: failed: {result['error']}")
+    else:
+        clock.say(f"batch search, {precision}: {result['batch_size']} per GPU ({len(result['trials'])} trials)")
+    return result
+
+
+def measure_speed(precision: str, batch: int, devices: int, args: argparse.Namespace, artifacts: Path,
+                  clock: Clock) -> dict:
+    """benchmarks.gpu_speed at `batch` per GPU on `devices` GPUs; 1/8 smaller after an out-of-memory, up to
+    OOM_RETRIES times (the search's trial holds a little less than a training loop does)."""
+    from benchmarks.gpu_monitor import RunMonitor
+    from hivetrain.logbook import fmt_bytes
+
+    strategy = "single" if devices == 1 else "ddp"
+    label = f"speed-{precision}-{strategy}{devices if devices > 1 else ''}"
+    attempts: list[dict] = []
+    result: dict = dict(strategy=strategy, devices=devices)
+    log = artifacts / f"{label}.log"
+    with RunMonitor(artifacts, label, clock.zero) as monitor, log.open("w") as out:
+        for _ in range(1 + OOM_RETRIES):
+            command = [sys.executable, "-m", "benchmarks.gpu_speed", "--precision", precision, "--batch-size",
+                       str(batch), "--devices", str(devices), "--train-samples", str(args.train_samples),
+                       "--val-samples", str(args.val_samples), "--seed", str(args.seed), "--warmup-steps",
+                       str(args.warmup_steps), "--seconds", str(args.speed_seconds), "--dump-dir", str(artifacts),
+                       "--dump-label", label]
+            out.write(f"$ {shlex.join(command)}\n")
+            out.flush()
+            try:
+                done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                      timeout=SPEED_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                result["error"] = f"failed: did not finish within {SPEED_TIMEOUT_S} s (see {log.name})"
+                break
+            if done.returncode == OOM_EXIT:
+                attempts.append(dict(batch_size=batch, out_of_memory=True))
+                clock.say(f"speed, {precision} {strategy}: out of memory at batch {batch}; trying {batch * 7 // 8}")
+                batch = batch * 7 // 8
+                if batch < 1:
+                    break
+                continue
+            if done.returncode != 0:
+                result["error"] = f"failed: exit code {done.returncode} (see {log.name})"
+                break
+            out.flush()
+            last = log.read_text().strip().splitlines()[-1]
+            result = dict(json.loads(last), strategy=strategy)
+            attempts.append(dict(batch_size=batch, out_of_memory=False))
+            break
+    if "error" not in result and (not attempts or attempts[-1]["out_of_memory"]):
+        tried = ", ".join(str(a["batch_size"]) for a in attempts)
+        result["error"] = f"failed: CUDA out of memory at every batch tried ({tried})"
+    result["attempts"] = attempts
+    result["log"] = log.name
+    result["recording"] = dict(monitor.recording, nvidia_smi_dumps=result.get("nvidia_smi_dumps", []))
+    if "error" in result:
+        clock.say(f"speed, {precision} {strategy} x{devices}: {result['error']}")
+    else:
+        peaks = [p for p in result["peak_memory_bytes"] if p is not None]  # None: a rank on a CPU
+        clock.say(f"speed, {precision} {strategy} x{devices}: batch {result['batch_size']}, "
+                  f"{result['train_samples_per_s']:,.0f} training samples/s, "
+                  f"{result['val_samples_per_s'] or 0:,.0f} validation samples/s, peak GPU memory "
+                  f"{fmt_bytes(max(peaks, default=None))}")
+    return result
+
+
+def _coordinator_args() -> list[str]:
+    # What hivetrain.bench.start_coordinator passes (besides its --identity and --log-dir in a scratch folder).
+    return ["--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0", "--validate-every", "0"]
+
+
+def _peer_args(minutes: float) -> list[str]:
+    return ["--device", "cuda", "--max-time", f"{minutes:g}"]
+
+
+def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock: Clock) -> list[dict]:
+    """A 2-peer swarm sharing the GPU in each swarm mode of `modes`: a coordinator of the digits-vit-b32 preset
+    (`--validate-every 0`) and two `peers/join.py --device cuda --max-time MINUTES` on loopback, as
+    hivetrain.bench's run_swarm starts them; samples/s of both peers together from their
+    `swarm epoch N | ... | this peer: S samples` lines while both trained (hivetrain.bench.swarm_window).
+    The roles' logs are kept in `artifacts`."""
+    from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
+    from hivetrain.bench import run_swarm, swarm_window
+
+    for mode in modes:
+        if mode != "sync":
+            raise ValueError(f"swarm mode {mode!r}: only 'sync' can be measured until coordinator/start.py takes"
+                             " a swarm mode flag")
+    results = []
+    for mode in modes:
+        label = f"swarm-{mode}"
+        work = Path(tempfile.mkdtemp(prefix=f"hivetrain-gpu-{label}-"))
+        clock.say(f"swarm, {mode}: a coordinator and 2 peers on the GPU, training {minutes:g} min")
+        result: dict = dict(mode=mode)
+        # The raw views are taken once, about half-way through the peers' training (they start after ~30 s).
+        dump = threading.Timer(30 + minutes * 30, write_nvidia_smi_dumps, (artifacts, label))
+        with RunMonitor(artifacts, label, clock.zero) as monitor:
+            dump.start()
+            try:
+                # run_swarm passes its coordinator the preset, --host 127.0.0.1 --port 0 --validate-every 0
+                coordinator, peers = run_swarm(work, label, 2, [], _peer_args(minutes), timeout=minutes * 60 + 240,
+                                               preset=SWARM_PRESET)
+                result.update(swarm_window(coordinator, peers))
+            except RuntimeError as e:  # a role failed or printed too little: its log, kept below, says why
+                result["error"] = str(e).replace(str(work), str(artifacts))
+            finally:
+                dump.cancel()
+        result["logs"] = []
+        for log in sorted(work.glob(f"{label}*.log")):
+            shutil.copy(log, artifacts / log.name)
+            result["logs"].append(log.name)
+        shutil.rmtree(work, ignore_errors=True)
+        result["recording"] = dict(monitor.recording, nvidia_smi_dumps=sorted(
+            p.name for p in artifacts.glob(f"{label}.nvidia-smi*.txt")))
+        if "error" in result:
+            clock.say(f"swarm, {mode}: failed: {result['error']}")
+        else:
+            clock.say(f"swarm, {mode}: {result['samples_per_s']:,.0f} samples/s over {result['window_s']:.0f} s,"
+                      f" {result['epochs']} swarm epochs")
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

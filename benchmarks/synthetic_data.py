@@ -1,0 +1,57 @@
+"""Synthetic data shaped like CIFAR-10 for the GPU proof: seeded random uint8 images (3 x 32 x 32) and labels (10
+classes), each made when it is asked for, so a 50,000-image set takes no memory.
+
+Sample i of a split is a function of (seed, split, i) alone: the same seed gives the same images in any order and in
+any DataLoader worker. They are noise, so a model learns nothing from them and they say nothing about accuracy; what
+they exercise is exactly the GPU work of ViT-B/32 at 224 px. Batches are resized and normalised on the device
+(`to_model_input`), as the CIFAR-10 pipeline's Resize and Normalize do per sample on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+DATA_ORIGIN = "synthetic, seeded random images shaped like CIFAR-10"  # stated on every GPU page
+IMAGE_SHAPE = (3, 32, 32)  # CHW, as hivetrain.data holds CIFAR-10
+NUM_CLASSES = 10
+SPLITS = {"train": 0, "val": 1}  # part of each sample's seed: the two splits never share an image
+
+
+class SyntheticCifar10(Dataset):
+    """`num_samples` images of `IMAGE_SHAPE` (uint8) with labels in [0, 10) (int64)."""
+
+    def __init__(self, num_samples: int, seed: int, split: str = "train"):
+        if num_samples < 1:
+            raise ValueError(f"a synthetic split needs at least 1 sample, not {num_samples}")
+        if seed < 0:
+            raise ValueError(f"the seed must be 0 or more, not {seed}")
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+        self.num_samples, self.seed, self.split = num_samples, seed, split
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} of a split of {self.num_samples}")
+        rng = np.random.default_rng((self.seed, SPLITS[self.split], index))
+        image = rng.integers(0, 256, size=IMAGE_SHAPE, dtype=np.uint8)
+        label = rng.integers(0, NUM_CLASSES)
+        return torch.from_numpy(image), torch.tensor(label, dtype=torch.int64)
+
+
+def to_model_input(images: torch.Tensor, img_size: int) -> torch.Tensor:
+    """A uint8 batch (B, 3, 32, 32) as the model's input, on the batch's device: pixels scaled to [0, 1], resized to
+    `img_size` (bilinear, as torchvision's Resize) and normalised with CIFAR-10's channel statistics."""
+    from hivetrain.data import DATASET_STATS
+
+    x = images.float().div_(255)
+    if x.shape[-1] != img_size or x.shape[-2] != img_size:
+        x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)
+    mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in DATASET_STATS["cifar10"])
+    # In place: at the largest batch, one more copy of the input would be gigabytes the batch finder's trial never held.
+    return x.sub_(mean).div_(std)

@@ -1,0 +1,198 @@
+"""The GPU proof's pieces that run without a GPU: the one-line exit where there is no CUDA, the synthetic data, the
+batch finder's trial on generated data, the speed measurement (on CPUs, one process and DDP over gloo), and the page
+rendered from an example record. Everything is written under tmp_path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu_proof
+from benchmarks.gpu_page import render_gpu_page
+from benchmarks.synthetic_data import DATA_ORIGIN, SyntheticCifar10, to_model_input
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_RECORD = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"
+
+
+def run_module(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+
+
+def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path):
+    out, records = tmp_path / "out", tmp_path / "records"
+    done = run_module("benchmarks.gpu_proof", "--out", str(out), "--records", str(records),
+                      env={"CUDA_VISIBLE_DEVICES": ""})  # hides any GPU of the machine running the tests
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [gpu_proof.NO_CUDA_LINE]
+    assert "Traceback" not in done.stderr
+    assert not out.exists() and not records.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--search-tolerance", "0"], "--search-tolerance must be more than 0"),
+    (["--train-samples", "0"], "--train-samples must be at least 1"),
+    (["--precisions", "32", "32"], "lists a precision twice"),
+])
+def test_bad_input_fails_with_one_line(args, message):
+    done = run_module("benchmarks.gpu_proof", *args)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_explains_what_is_measured():
+    done = run_module("benchmarks.gpu_proof", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for words in ("synthetic data shaped like CIFAR-10", "batch finder", "DDP", "2-peer swarm", "nvidia-smi",
+                  "logbook/gpu.md", "prepare-gpu-wheelhouse.sh"):
+        assert words in text, words
+
+
+def test_synthetic_samples_are_cifar_shaped_and_depend_only_on_seed_split_and_index():
+    train = SyntheticCifar10(50_000, seed=7)
+    assert len(train) == 50_000 and len(SyntheticCifar10(123, seed=7, split="val")) == 123
+    image, label = train[49_999]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+    assert label.dtype == torch.int64 and 0 <= int(label) < 10
+    again = SyntheticCifar10(10, seed=7)[3]  # another set of another size: sample 3 is the same image
+    assert torch.equal(again[0], train[3][0]) and int(again[1]) == int(train[3][1])
+    assert not torch.equal(SyntheticCifar10(10, seed=8)[3][0], train[3][0])
+    assert not torch.equal(SyntheticCifar10(10, seed=7, split="val")[3][0], train[3][0])
+    assert not torch.equal(train[4][0], train[3][0])
+    labels = {int(train[i][1]) for i in range(200)}
+    assert labels == set(range(10))
+    pixels = torch.stack([train[i][0] for i in range(20)])
+    assert int(pixels.min()) == 0 and int(pixels.max()) == 255
+    # Made on demand: the 50,000-image set holds no images.
+    assert len(pickle.dumps(train)) < 1000
+    with pytest.raises(IndexError):
+        train[50_000]
+    with pytest.raises(ValueError, match="at least 1 sample"):
+        SyntheticCifar10(0, seed=0)
+    with pytest.raises(ValueError, match="split 'test'"):
+        SyntheticCifar10(10, seed=0, split="test")
+
+
+def test_dataloader_workers_make_the_same_batches_as_direct_reads():
+    from torch.utils.data import DataLoader
+
+    data = SyntheticCifar10(12, seed=3)
+    images, labels = next(iter(DataLoader(data, batch_size=12, num_workers=2)))
+    assert torch.equal(images, torch.stack([data[i][0] for i in range(12)]))
+    assert torch.equal(labels, torch.stack([data[i][1] for i in range(12)]))
+
+
+def test_model_input_is_resized_and_normalised_with_cifar_statistics():
+    from hivetrain.data import DATASET_STATS
+
+    mean, _ = DATASET_STATS["cifar10"]
+    at_mean = torch.stack([torch.full((32, 32), round(255 * m), dtype=torch.uint8) for m in mean]).expand(2, 3, 32, 32)
+    x = to_model_input(at_mean, 224)
+    assert x.shape == (2, 3, 224, 224) and x.dtype == torch.float32
+    assert float(x.abs().max()) < 0.01  # the mean image normalises to 0 (up to rounding to a uint8)
+    white = to_model_input(torch.full((1, 3, 32, 32), 255, dtype=torch.uint8), 224)
+    assert float(white.min()) > 1.9  # (1 - 0.49) / 0.26 and the like
+
+
+def test_batch_finder_trial_on_generated_data_needs_no_dataset(tmp_path):
+    from baselines.batch_finder import TrialSpec, run_trial
+
+    # cifar10-vit-b32's dataset is not on this machine (and cannot be downloaded): the trial must not look for it.
+    spec = TrialSpec("cifar10-vit-b32", "cpu", "32", threads=1, data_dir=str(tmp_path / "no-data"), steps=1,
+                     load_dataset=False)
+    trial = run_trial(spec, 2, budget_bytes=None)
+    assert trial.fits and trial.peak_bytes > 0
+    assert not (tmp_path / "no-data").exists()
+
+
+def _speed(*args: str) -> dict:
+    done = run_module("benchmarks.gpu_speed", "--device", "cpu", "--precision", "32", "--batch-size", "2",
+                      "--train-samples", "6", "--val-samples", "3", "--warmup-steps", "1", "--seconds", "0",
+                      "--threads", "1", "--seed", "5", *args, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_speed_measurement_on_one_device():
+    result = _speed()
+    assert result["strategy"] == "single" and result["devices"] == 1 and not result["out_of_memory"]
+    assert result["steps"] >= 2 and result["train_samples"] == 2 * result["steps"]
+    assert result["train_samples_per_s"] == pytest.approx(result["train_samples"] / result["train_seconds"], rel=0.05)
+    assert result["val_samples"] == 3 and result["val_samples_per_s"] > 0
+    assert math.isfinite(result["final_loss"])
+    assert result["peak_memory_bytes"] == [None]  # a CPU has no CUDA allocator to ask
+
+
+def test_speed_measurement_with_ddp_over_two_processes():
+    result = _speed("--devices", "2", "--num-workers", "1")
+    assert result["strategy"] == "ddp" and result["devices"] == 2
+    # Both ranks step together: samples count both, each rank reports its memory.
+    assert result["train_samples"] == 2 * 2 * result["steps"]
+    assert len(result["peak_memory_bytes"]) == 2 and len(result["device_names"]) == 2
+    assert result["val_samples"] == 4  # 3 samples split over 2 ranks: DistributedSampler pads to 2 each
+
+
+def test_page_rendered_from_the_example_record(tmp_path):
+    record = json.loads(EXAMPLE_RECORD.read_text())
+    page = render_gpu_page(record, tmp_path / "logbook", EXAMPLE_RECORD.parent)
+    assert page == tmp_path / "logbook" / "gpu.md"
+    text = page.read_text()
+    assert "**Example record, not a measurement.**" in text  # a fixture must never pass for a measurement
+    assert DATA_ORIGIN in text
+    assert "NVIDIA H100 80GB HBM3" in text and record["environment"]["commit"] in text
+    assert "torch 2.11.0+cu128 (CUDA 12.8" in text
+    assert "| `32` | 1792 | 51.70 GiB | 7 |" in text and "1920 did not fit" in text
+    assert "the finder's cap (4096)" in text
+    assert "| `bf16-mixed` | single (1 GPU) | 4096 | 9,100 | 27,000 | 68.60 GiB |" in text
+    assert "out of memory at 1792: smaller batch" in text  # the 32 run stepped down from the found batch
+    assert "failed: the batch 4096 trial failed" in text and "not measured: the batch search gave no answer" in text
+    assert "DDP: not run, this machine has 1 CUDA GPU" in text
+    assert "| sync | 212 | 52.3 s | 14 | 61%, 63% | 0 |" in text
+    assert "swarm-sync.nvidia-smi-q.txt" in text and "speed-32-single.nvidia-smi.csv" in text
+    for plot in ("gpu-speed.png", "gpu-utilisation.png"):
+        assert f"]({plot})" in text
+        assert (tmp_path / "logbook" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (tmp_path / "logbook").iterdir()) == ["gpu-speed.png", "gpu-utilisation.png",
+                                                                          "gpu.md"]
+
+
+def test_page_says_why_the_swarm_did_not_run(tmp_path):
+    record = json.loads(EXAMPLE_RECORD.read_text())
+    record["swarm"].update(modes=[], skipped="--no-swarm was given")
+    text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
+    assert "Not run: --no-swarm was given" in text
+
+
+def test_page_command_refuses_a_record_that_is_not_one(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"kind": "gpu-proof"}))
+    done = run_module("benchmarks.gpu_page", str(broken), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {broken}: not a GPU proof record (missing or mistyped field 'artifacts')"]
+
+
+def test_swarm_without_hivemind_or_wheels_says_what_to_do(tmp_path, monkeypatch):
+    real_find_spec = gpu_proof.importlib.util.find_spec
+    monkeypatch.setattr(gpu_proof.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hivemind" else real_find_spec(name, *a))
+    reason = gpu_proof.ensure_hivemind(tmp_path / "empty-wheelhouse", tmp_path / "site", say=lambda _: None)
+    assert "hivemind is not installed" in reason and "prepare-gpu-wheelhouse.sh" in reason
+
+
+def test_swarm_modes_other_than_sync_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="only 'sync'"):
+        gpu_proof.measure_swarm_modes(["diloco"], 1.0, tmp_path, gpu_proof.Clock())
+    assert list(tmp_path.iterdir()) == []
