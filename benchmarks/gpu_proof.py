@@ -3,7 +3,8 @@
     python -m benchmarks.gpu_proof          # or: make gpu-proof
     python -m benchmarks.gpu_proof --train-samples 10000 --val-samples 2000 --precisions bf16-mixed --no-swarm
 
-On synthetic data shaped like CIFAR-10 (benchmarks/synthetic_data.py), each step within a few minutes on one H100:
+On synthetic data shaped like CIFAR-10 (benchmarks/synthetic_data.py); the defaults aim at a few minutes per step
+and under 9 minutes in all on one H100:
 
 1. the largest batch per precision (32, bf16-mixed, 16-mixed), found against the GPU's real memory by the project's
    batch finder (baselines/batch_finder.py);
