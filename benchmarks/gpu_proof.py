@@ -46,9 +46,6 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA_LINE = "No CUDA GPU here: the GPU proof needs one; nothing was run."
 SWARM_PRESET = "digits-vit-b32"  # ViT-B/32's full state at 32 px on bundled digits: no dataset to bring along
 SWARM_PRESET_NOTE = "ViT-B/32's full state, 88M parameters, at 32 px on scikit-learn's bundled digits"
-# The swarm modes the 2-peer swarm is measured in. Only "sync" for now: coordinator/start.py's swarm mode flag is
-# being added separately; once it has landed, list its modes here and pass each one to the coordinator.
-SWARM_MODES = ["sync"]
 SPEED_TIMEOUT_S = 420  # one speed run: start, warm-up, timed window, validation pass; DDP start included
 OOM_RETRIES = 2  # a speed run that runs out of memory at the found batch tries again 1/8 smaller, this many times
 
@@ -189,7 +186,9 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     swarm: dict = dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, **swarm_commands, modes=[],
                        skipped=swarm_skipped)
     if swarm_skipped is None:
-        swarm["modes"] = measure_swarm_modes(SWARM_MODES, args.swarm_minutes, artifacts, clock)
+        from hivetrain.config import SWARM_MODES
+
+        swarm["modes"] = measure_swarm_modes(list(SWARM_MODES), args.swarm_minutes, artifacts, clock)
     else:
         clock.say(f"swarm: not run: {swarm_skipped}")
 
@@ -375,10 +374,11 @@ def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock
     from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
     from hivetrain.bench import run_swarm, swarm_window
 
+    from hivetrain.config import SWARM_MODES
+
     for mode in modes:
-        if mode != "sync":
-            raise ValueError(f"swarm mode {mode!r}: only 'sync' can be measured until coordinator/start.py takes"
-                             " a swarm mode flag")
+        if mode not in SWARM_MODES:
+            raise ValueError(f"swarm mode {mode!r} is not one of {', '.join(SWARM_MODES)}")
     results = []
     for mode in modes:
         label = f"swarm-{mode}"
@@ -391,8 +391,8 @@ def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock
             dump.start()
             try:
                 # run_swarm passes its coordinator the preset, --host 127.0.0.1 --port 0 --validate-every 0
-                coordinator, peers = run_swarm(work, label, 2, [], _peer_args(minutes), timeout=minutes * 60 + 240,
-                                               preset=SWARM_PRESET)
+                coordinator, peers = run_swarm(work, label, 2, ["--mode", mode], _peer_args(minutes),
+                                               timeout=minutes * 60 + 240, preset=SWARM_PRESET)
                 result.update(swarm_window(coordinator, peers))
             except RuntimeError as e:  # a role failed or printed too little: its log, kept below, says why
                 result["error"] = str(e).replace(str(work), str(artifacts))

@@ -4,7 +4,8 @@ Each suite starts real roles (coordinator/start.py, peers/join.py) as processes 
 their output, and writes its section of logbook/benchmarks.md with the machine, versions, commit and date.
 
 Suites here: join (time from `peers/join.py` start to the swarm's state loaded, and to its first local step);
-throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute);
+throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
+and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
 top-1 against samples seen for single, DDP and the swarm); scale (the coordinator's cost with 2 to 16 peers).
 """
@@ -36,12 +37,12 @@ RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records
 class Role:
     """A role's process, its output lines kept with the time each arrived."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, prefix: list[str] = (), env: Optional[dict] = None):
         self.started = time.time()
         self.lines: list[tuple[float, str]] = []
-        self.popen = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
+        self.popen = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                      env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         self._log = log
         self.cpu: list[tuple[float, float, float]] = []  # (time, CPU seconds of the main process, of its descendants)
         threading.Thread(target=self._read, daemon=True).start()
@@ -119,12 +120,14 @@ def _epoch(role: Role) -> int:
                default=0)
 
 
-def start_coordinator(work: Path, name: str, options: list[str], preset: str = "demo") -> tuple[Role, list[str]]:
-    """A coordinator of `preset` on loopback that only bootstraps and monitors (no validation unless `options` ask
-    for it; a look at the swarm every 10 s, its default); returns it with the addresses peers join."""
-    coordinator = Role(["coordinator/start.py", "--preset", preset, "--host", "127.0.0.1", "--port", "0",
+def start_coordinator(work: Path, name: str, options: list[str], preset: str = "demo", host: str = "127.0.0.1",
+                      prefix: list[str] = ()) -> tuple[Role, list[str]]:
+    """A coordinator of `preset` on loopback (or `host`, inside the namespace of `prefix`) that only bootstraps and
+    monitors (no validation unless `options` ask for it; a look at the swarm every 10 s, its default); returns it with
+    the addresses peers join."""
+    coordinator = Role(["coordinator/start.py", "--preset", preset, "--host", host, "--port", "0",
                         "--identity", str(work / f"{name}.key"), "--log-dir", str(work / name),
-                        "--validate-every", "0", *options], work / f"{name}-coordinator.log")
+                        "--validate-every", "0", *options], work / f"{name}-coordinator.log", prefix)
     try:
         _, match = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=120)
     except RuntimeError:
@@ -187,22 +190,31 @@ def swarm_window(coordinator: Role, peers: list[Role]) -> dict:
 
 
 def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
-              timeout: float, preset: str = "demo", until: Optional[Callable[[Role], bool]] = None
-              ) -> tuple[Role, list[Role]]:
+              timeout: float, preset: str = "demo", until: Optional[Callable[[Role], bool]] = None,
+              network=None) -> tuple[Role, list[Role]]:
     """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
     `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
     holds for the coordinator (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
-    roles, their output kept."""
+    roles, their output kept. With `network` (benchmarks.netns.LinkedNamespaces), the coordinator and peer 0 run in
+    its namespace a and peer 1 in b, so that everything between the two peers crosses its link."""
     roles: list[Role] = []
     try:
-        coordinator, addresses = start_coordinator(work, name, coordinator_options, preset)
+        if network is None:
+            coordinator, addresses = start_coordinator(work, name, coordinator_options, preset)
+        else:
+            coordinator, addresses = start_coordinator(work, name, coordinator_options, preset, host=network.a_ip,
+                                                       prefix=network.exec_prefix("a"))
         roles.append(coordinator)
         for index in range(peers):
+            side = "a" if index % 2 == 0 else "b"
+            where = [] if network is None else ["--host", network.a_ip if side == "a" else network.b_ip,
+                                                "--client-mode", "off"]
             roles.append(Role(["peers/join.py", "--initial-peers", *addresses, "--name", f"{name}-{index}",
                                "--threads", "1", "--min-peers", str(peers), "--seed", str(index),
-                               "--progress-bar", "off", *(option.replace("{index}", str(index))
-                                                          for option in peer_options)],
-                              work / f"{name}-peer-{index}.log"))
+                               "--progress-bar", "off", *where, *(option.replace("{index}", str(index))
+                                                                  for option in peer_options)],
+                              work / f"{name}-peer-{index}.log",
+                              prefix=[] if network is None else network.exec_prefix(side)))
         deadline = time.monotonic() + timeout
         while until is not None and not until(coordinator):
             if time.monotonic() > deadline:
@@ -282,6 +294,79 @@ def throughput_suite(work: Path, smoke: bool) -> dict:
     return dict(preset=THROUGHPUT_PRESET, batch_size=batch, single_samples_per_s=single["samples_per_s"],
                 ddp_samples_per_s=reference, ddp_runs_samples_per_s=[ddp_before["samples_per_s"],
                                                                     ddp_after["samples_per_s"]], swarms=swarms)
+
+
+LINK_RATES_MBIT = (1000, 100, 20)  # a data-centre link, a good home line, a volunteer's typical uplink
+LINK_DDP_STEPS = {1000: 30, 100: 15, 20: 6}  # DDP steps of 2 x 32 samples: about a minute at each rate
+LINK_INNER_STEPS = 20  # diloco: inner steps per round (about 1 s each here)
+LINK_SWARM_SECONDS = 150
+
+
+def links_ddp(work: Path, network, name: str, steps: int) -> dict:
+    """DDP over the link: node 0 (one process) in namespace a, node 1 in b, gloo on the veth; its run record."""
+    records = work / f"{name}-records"
+    common = ["baselines/run.py", "--strategy", "ddp", "--num-nodes", "2", "--devices", "1", "--threads", "1",
+              "--preset", THROUGHPUT_PRESET, "--batch-size", "32", "--epochs", "1000", "--max-steps", str(steps),
+              "--val-limit", "0", "--progress-bar", "off", "--out-dir", str(work / name), "--record-dir",
+              str(records)]
+    nodes = [Role(common, work / f"{name}-node{rank}.log", network.exec_prefix(side),
+                  env=dict(MASTER_ADDR=network.a_ip, MASTER_PORT="29533", NODE_RANK=str(rank),
+                           GLOO_SOCKET_IFNAME=network.a_link if side == "a" else network.b_link))
+             for rank, side in ((0, "a"), (1, "b"))]
+    try:
+        for node in nodes:
+            if node.popen.wait(timeout=600) != 0:
+                raise RuntimeError(f"DDP node of {name} failed (exit code {node.popen.returncode}); see {work}")
+    finally:
+        for node in nodes:
+            node.stop()
+    [record] = records.glob("*.json")
+    return json.loads(record.read_text())
+
+
+def links_suite(work: Path, smoke: bool) -> dict:
+    """Two peers in network namespaces of their own, joined by one veth pair shaped to 1 Gbit/s, 100 Mbit/s and
+    20 Mbit/s (tbf): samples/s and bytes over the link per trained sample for DDP (gloo over the same link), the sync
+    swarm (target batch 8x the per-step batch) and the diloco swarm, on the throughput suite's preset."""
+    from benchmarks.netns import LinkedNamespaces
+
+    unavailable = LinkedNamespaces.unavailable()
+    if unavailable:
+        raise RuntimeError(f"the links suite needs network namespaces: {unavailable}")
+    batch, seconds = 32, 45 if smoke else LINK_SWARM_SECONDS
+    inner_steps = 4 if smoke else LINK_INNER_STEPS
+    results = []
+    for rate in LINK_RATES_MBIT[-1:] if smoke else LINK_RATES_MBIT:
+        network = LinkedNamespaces(81).create()
+        try:
+            network.limit(rate)
+            row = dict(rate_mbit=rate)
+            sent = network.sent_bytes()
+            ddp = links_ddp(work, network, f"links-{rate}-ddp", 2 if smoke else LINK_DDP_STEPS[rate])
+            row["ddp"] = dict(samples_per_s=ddp["samples_per_s"], samples=ddp["train_samples"],
+                              bytes_per_sample=(network.sent_bytes() - sent) / ddp["train_samples"])
+            for mode, options in (("sync", ["--target-batch-size", str(8 * batch)]),
+                                  ("diloco", ["--mode", "diloco", "--inner-steps", str(inner_steps)])):
+                sent = network.sent_bytes()
+                _, peers = run_swarm(work, f"links-{rate}-{mode}", 2, options,
+                                               ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"],
+                                               timeout=seconds + 240, preset=THROUGHPUT_PRESET, network=network)
+                # Each peer's samples over its training time (first step to leaving), summed: on a slow link a sync
+                # swarm may take too few epochs for the throughput suite's window between epoch lines.
+                leaving = [peer.wait_for(r"contributed (\d+) samples; of ([\d.]+) s training, ([\d.]+) s in swarm",
+                                         timeout=1)[1] for peer in peers]
+                samples = sum(int(m.group(1)) for m in leaving)
+                row[mode] = dict(samples_per_s=sum(int(m.group(1)) / float(m.group(2)) for m in leaving),
+                                 samples=samples, epochs=_epoch(peers[0]),
+                                 bytes_per_sample=(network.sent_bytes() - sent) / samples,
+                                 swarm_time_share=[float(m.group(3)) / float(m.group(2)) for m in leaving])
+            print(f"{rate} Mbit/s: " + "; ".join(f"{kind} {row[kind]['samples_per_s']:.1f} samples/s,"
+                                                 f" {row[kind]['bytes_per_sample'] / 1e3:.1f} kB per sample"
+                                                 for kind in ("ddp", "sync", "diloco")), flush=True)
+            results.append(row)
+        finally:
+            network.delete()
+    return dict(preset=THROUGHPUT_PRESET, batch_size=batch, inner_steps=inner_steps, results=results)
 
 
 def loopback_bytes() -> int:
@@ -599,6 +684,36 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
     )
 
 
+def _links_section(result: dict, env: dict, out: Path) -> str:
+    rows = "".join(
+        f"| {r['rate_mbit']} Mbit/s | " + " | ".join(
+            f"{r[kind]['samples_per_s']:.1f} | {r[kind]['bytes_per_sample'] / 1e3:.1f}" for kind in
+            ("ddp", "sync", "diloco")) + "|\n" for r in result["results"])
+    fastest = max(result["results"], key=lambda r: r["rate_mbit"])
+    slowest = min(result["results"], key=lambda r: r["rate_mbit"])
+    kept = slowest["diloco"]["samples_per_s"] / fastest["diloco"]["samples_per_s"]
+    bytes_share = slowest["diloco"]["bytes_per_sample"] / slowest["ddp"]["bytes_per_sample"]
+    return (
+        "## links\n\n"
+        f"{_measured_by('links', env)} Two peers in network namespaces of their own, joined by one veth pair shaped"
+        " in both directions with a token bucket (`tc ... tbf`) to each rate; the coordinator runs beside the first"
+        f" peer. The `{result['preset']}` preset, {result['batch_size']} samples per local step, one torch thread per"
+        " process: DDP with one process per namespace (gloo over the veth), the sync swarm at target batch"
+        f" {8 * result['batch_size']}, and the diloco swarm with {result['inner_steps']} inner steps per round."
+        " Samples/s: for the swarms, each peer's samples over its training time (from its first step to leaving,"
+        " rounds and state downloads included), summed over the peers; for DDP, from its run record (training"
+        " time). Bytes per sample: everything sent over the link in both directions during the run (start-up and"
+        " state downloads included), over the samples trained. Each swarm trains"
+        f" {LINK_SWARM_SECONDS} s; the presets' matchmaking and averaging timeouts are used as they are.\n\n"
+        "| link | DDP samples/s | DDP kB/sample | sync samples/s | sync kB/sample | diloco samples/s | diloco"
+        " kB/sample |\n|---|---:|---:|---:|---:|---:|---:|\n"
+        f"{rows}\n"
+        f"Target: at {slowest['rate_mbit']} Mbit/s diloco keeps at least 0.9x its samples/s at"
+        f" {fastest['rate_mbit']} Mbit/s, with bytes per trained sample at most 1% of DDP's. "
+        + _verdict(kept >= 0.9 and bytes_share <= 0.01, f"{kept:.2f}x, and {bytes_share:.1%} of DDP's bytes") + "\n"
+    )
+
+
 def _communication_section(result: dict, env: dict, out: Path) -> str:
     runs = result["results"]
     plain = next(r for r in runs if r["compression"] == "none")
@@ -710,6 +825,7 @@ def _measured_by(suite: str, env: dict) -> str:
 SUITES = {
     "join": (join_suite, _join_section),
     "throughput": (throughput_suite, _throughput_section),
+    "links": (links_suite, _links_section),
     "communication": (communication_suite, _communication_section),
     "convergence": (convergence_suite, _convergence_section),
     "scale": (scale_suite, _scale_section),

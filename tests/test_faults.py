@@ -21,7 +21,7 @@ from conftest import ROOT, Process
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
-from netns import VethNamespace
+from benchmarks.netns import VethNamespace
 from s3server import free_ports
 
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")

@@ -192,7 +192,7 @@ def test_swarm_without_hivemind_or_wheels_says_what_to_do(tmp_path, monkeypatch)
     assert "hivemind is not installed" in reason and "prepare-gpu-wheelhouse.sh" in reason
 
 
-def test_swarm_modes_other_than_sync_are_refused_before_anything_starts(tmp_path):
-    with pytest.raises(ValueError, match="only 'sync'"):
-        gpu_proof.measure_swarm_modes(["diloco"], 1.0, tmp_path, gpu_proof.Clock())
+def test_unknown_swarm_modes_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="'async' is not one of sync, diloco"):
+        gpu_proof.measure_swarm_modes(["async"], 1.0, tmp_path, gpu_proof.Clock())
     assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import start_coordinator
 from hivetrain.metrics_store import MetricsReader
-from netns import NattedNamespace
+from benchmarks.netns import NattedNamespace
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""A network namespace joined to this host by a veth pair, for tests that cut a peer off the network or put it behind
-NAT. Needs root (CI runs as root); `VethNamespace.unavailable()` says why it cannot be made here."""
+"""Network namespaces for tests and benchmarks: one joined to this host by a veth pair (a peer cut off the network),
+one behind NAT, and two joined to each other by a rate-limited veth pair (peers on a volunteer's link). Needs root
+(CI runs as root); each class's `unavailable()` says why it cannot be made here."""
 
 from __future__ import annotations
 
@@ -128,3 +129,60 @@ class NattedNamespace:
                     pass
             _ip("netns", "del", namespace, check=False)
         _ip("link", "del", self._links[0], check=False)
+
+
+class LinkedNamespaces:
+    """Two namespaces, `<name>-a` (10.79.<subnet>.1) and `<name>-b` (10.79.<subnet>.2), whose only link is one veth
+    pair: all traffic between what runs in them crosses it. limit() shapes both directions with a token bucket (tbf,
+    which this kernel has; netem does not exist here), as a volunteer's up- and downlink."""
+
+    def __init__(self, subnet: int):
+        tag = f"{os.getpid() % 10000}l{subnet}"
+        self.a, self.b = f"hivetrain-{os.getpid()}-{subnet}-a", f"hivetrain-{os.getpid()}-{subnet}-b"
+        self.a_ip, self.b_ip = f"10.79.{subnet}.1", f"10.79.{subnet}.2"
+        self.a_link, self.b_link = f"htl{tag}a", f"htl{tag}b"
+
+    @staticmethod
+    def unavailable() -> Optional[str]:
+        return _cannot_build(LinkedNamespaces(254), "link two network namespaces")
+
+    def create(self) -> "LinkedNamespaces":
+        _ip("netns", "add", self.a)
+        _ip("netns", "add", self.b)
+        _ip("-n", self.a, "link", "add", self.a_link, "type", "veth", "peer", "name", self.b_link)
+        _ip("-n", self.a, "link", "set", self.b_link, "netns", self.b)
+        for namespace, link, address in ((self.a, self.a_link, self.a_ip), (self.b, self.b_link, self.b_ip)):
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", link)
+            _ip("-n", namespace, "link", "set", link, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        return self
+
+    def exec_prefix(self, side: str) -> list[str]:
+        return ["ip", "netns", "exec", self.a if side == "a" else self.b]
+
+    def limit(self, mbit: float) -> None:
+        """Both directions at `mbit` Mbit/s. The bucket holds 10 ms of traffic (at least 32 kbit), so the rate holds
+        over any stretch longer than that; packets wait up to 400 ms in the queue before being dropped."""
+        burst = max(4096, int(mbit * 1e6 / 8 / 100))
+        for namespace, link in ((self.a, self.a_link), (self.b, self.b_link)):
+            subprocess.run(["tc", "-n", namespace, "qdisc", "replace", "dev", link, "root", "tbf", "rate",
+                            f"{mbit}mbit", "burst", str(burst), "latency", "400ms"], check=True, capture_output=True,
+                           text=True)
+
+    def sent_bytes(self) -> int:
+        """Bytes sent over the link so far, both directions."""
+        total = 0
+        for namespace, link in ((self.a, self.a_link), (self.b, self.b_link)):
+            total += int(subprocess.run(["ip", "netns", "exec", namespace, "cat",
+                                         f"/sys/class/net/{link}/statistics/tx_bytes"], check=True,
+                                        capture_output=True, text=True).stdout)
+        return total
+
+    def delete(self) -> None:
+        for namespace in (self.a, self.b):
+            for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", namespace, check=False)
