@@ -298,8 +298,36 @@ def throughput_suite(work: Path, smoke: bool) -> dict:
 
 LINK_RATES_MBIT = (1000, 100, 20)  # a data-centre link, a good home line, a volunteer's typical uplink
 LINK_DDP_STEPS = {1000: 30, 100: 15, 20: 6}  # DDP steps of 2 x 32 samples: about a minute at each rate
-LINK_INNER_STEPS = 20  # diloco: inner steps per round (about 1 s each here)
-LINK_SWARM_SECONDS = 150
+LINK_INNER_STEPS = 100  # diloco: inner steps per round (about 1 s each here), as a GPU volunteer would take hundreds
+LINK_SWARM_SECONDS = 240  # at least two rounds of each peer
+
+
+class LinkCounter(threading.Thread):
+    """The bytes sent over a LinkedNamespaces link, sampled every half second while in a `with` block."""
+
+    def __init__(self, network):
+        super().__init__(daemon=True)
+        self.network, self.samples = network, [(time.time(), network.sent_bytes())]
+        self._stop_event = threading.Event()
+
+    def __enter__(self) -> "LinkCounter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop_event.set()
+        self.join()
+        self.samples.append((time.time(), self.network.sent_bytes()))
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.5):
+            self.samples.append((time.time(), self.network.sent_bytes()))
+
+    def between(self, start: float, end: float) -> int:
+        """Bytes sent from the last sample at or before `start` to the first at or after `end` (a little wider)."""
+        first = max((s for s in self.samples if s[0] <= start), default=self.samples[0])
+        last = min((s for s in self.samples if s[0] >= end), default=self.samples[-1])
+        return last[1] - first[1]
 
 
 def links_ddp(work: Path, network, name: str, steps: int) -> dict:
@@ -347,19 +375,22 @@ def links_suite(work: Path, smoke: bool) -> dict:
                               bytes_per_sample=(network.sent_bytes() - sent) / ddp["train_samples"])
             for mode, options in (("sync", ["--target-batch-size", str(8 * batch)]),
                                   ("diloco", ["--mode", "diloco", "--inner-steps", str(inner_steps)])):
-                sent = network.sent_bytes()
-                _, peers = run_swarm(work, f"links-{rate}-{mode}", 2, options,
-                                               ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"],
-                                               timeout=seconds + 240, preset=THROUGHPUT_PRESET, network=network)
+                counter = LinkCounter(network)
+                with counter:
+                    _, peers = run_swarm(work, f"links-{rate}-{mode}", 2, options,
+                                         ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"],
+                                         timeout=seconds + 240, preset=THROUGHPUT_PRESET, network=network)
                 # Each peer's samples over its training time (first step to leaving), summed: on a slow link a sync
-                # swarm may take too few epochs for the throughput suite's window between epoch lines.
+                # swarm may take too few epochs for the throughput suite's window between epoch lines. Bytes: those
+                # sent from the moment both peers held the swarm's state to the last one's leaving.
                 leaving = [peer.wait_for(r"contributed (\d+) samples; of ([\d.]+) s training, ([\d.]+) s in swarm",
-                                         timeout=1)[1] for peer in peers]
-                samples = sum(int(m.group(1)) for m in leaving)
-                row[mode] = dict(samples_per_s=sum(int(m.group(1)) / float(m.group(2)) for m in leaving),
+                                         timeout=1) for peer in peers]
+                started = max(peer.wait_for(r"^Starting at swarm epoch", timeout=1)[0] for peer in peers)
+                samples = sum(int(m.group(1)) for _, m in leaving)
+                row[mode] = dict(samples_per_s=sum(int(m.group(1)) / float(m.group(2)) for _, m in leaving),
                                  samples=samples, epochs=_epoch(peers[0]),
-                                 bytes_per_sample=(network.sent_bytes() - sent) / samples,
-                                 swarm_time_share=[float(m.group(3)) / float(m.group(2)) for m in leaving])
+                                 bytes_per_sample=counter.between(started, max(t for t, _ in leaving)) / samples,
+                                 swarm_time_share=[float(m.group(3)) / float(m.group(2)) for _, m in leaving])
             print(f"{rate} Mbit/s: " + "; ".join(f"{kind} {row[kind]['samples_per_s']:.1f} samples/s,"
                                                  f" {row[kind]['bytes_per_sample'] / 1e3:.1f} kB per sample"
                                                  for kind in ("ddp", "sync", "diloco")), flush=True)
@@ -424,6 +455,9 @@ def communication_suite(work: Path, smoke: bool) -> dict:
     return dict(preset="demo", results=results)
 
 
+CONVERGENCE_INNER_STEPS = 8  # diloco's H on the demo preset: a round per 512 samples of 2 peers
+
+
 def convergence_suite(work: Path, smoke: bool) -> dict:
     """Validation top-1 against samples seen for single, DDP and a 2-peer swarm of the demo preset: the same initial
     weights, data, LR schedule and samples per optimizer step (the swarm's target batch; the baselines accumulate to
@@ -449,9 +483,18 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
               timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= swarm_epochs)
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
+    # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
+    # r x H x batch x 2 samples.
+    round_samples = CONVERGENCE_INNER_STEPS * batch * 2
+    rounds = single["train_samples"] // round_samples
+    run_swarm(work, "conv-diloco", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
+                                       "--inner-steps", str(CONVERGENCE_INNER_STEPS)], [],
+              timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= rounds)
+    with MetricsReader(work / "conv-diloco" / "metrics.sqlite") as store:
+        curves["diloco"] = [(row.epoch * round_samples, row.top1) for row in store.validations()]
     for name, curve in curves.items():
         print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
-    return dict(preset="demo", global_batch_size=global_batch, curves=curves,
+    return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
 
 
@@ -688,7 +731,7 @@ def _links_section(result: dict, env: dict, out: Path) -> str:
     rows = "".join(
         f"| {r['rate_mbit']} Mbit/s | " + " | ".join(
             f"{r[kind]['samples_per_s']:.1f} | {r[kind]['bytes_per_sample'] / 1e3:.1f}" for kind in
-            ("ddp", "sync", "diloco")) + "|\n" for r in result["results"])
+            ("ddp", "sync", "diloco")) + " |\n" for r in result["results"])
     fastest = max(result["results"], key=lambda r: r["rate_mbit"])
     slowest = min(result["results"], key=lambda r: r["rate_mbit"])
     kept = slowest["diloco"]["samples_per_s"] / fastest["diloco"]["samples_per_s"]
@@ -702,8 +745,9 @@ def _links_section(result: dict, env: dict, out: Path) -> str:
         f" {8 * result['batch_size']}, and the diloco swarm with {result['inner_steps']} inner steps per round."
         " Samples/s: for the swarms, each peer's samples over its training time (from its first step to leaving,"
         " rounds and state downloads included), summed over the peers; for DDP, from its run record (training"
-        " time). Bytes per sample: everything sent over the link in both directions during the run (start-up and"
-        " state downloads included), over the samples trained. Each swarm trains"
+        " time). Bytes per sample: what crossed the link in both directions, over the samples trained; for the"
+        " swarms from the moment both peers held the swarm's state to the last one's leaving, for DDP over the whole"
+        " run (its start-up broadcast of the parameters included). Each swarm trains"
         f" {LINK_SWARM_SECONDS} s; the presets' matchmaking and averaging timeouts are used as they are.\n\n"
         "| link | DDP samples/s | DDP kB/sample | sync samples/s | sync kB/sample | diloco samples/s | diloco"
         " kB/sample |\n|---|---:|---:|---:|---:|---:|---:|\n"
@@ -754,8 +798,8 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
     curves = result["curves"]
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, curve in curves.items():
-        axes.plot([samples for samples, _ in curve], [top1 for _, top1 in curve], marker="o" if name != "swarm" else
-                  None, label=name)
+        axes.plot([samples for samples, _ in curve], [top1 for _, top1 in curve],
+                  marker="o" if name not in ("swarm", "diloco") else None, label=name)
     axes.set(xlabel="samples seen", ylabel="validation top-1", title=f"{result['preset']}: convergence")
     axes.grid(alpha=0.3)
     axes.legend()
@@ -768,21 +812,37 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
         seen = [top1 for count, top1 in curve if count <= samples]
         return f"{seen[-1]:.3f}" if seen else ""
 
-    rows = "".join(f"| {samples} | {top1:.3f} | {at(curves['DDP'], samples)} | {at(curves['swarm'], samples)} |\n"
+    swarms = [name for name in ("swarm", "diloco") if name in curves]  # records before diloco have no such curve
+    rows = "".join(f"| {samples} | {top1:.3f} | {at(curves['DDP'], samples)} | "
+                   + " | ".join(at(curves[name], samples) for name in swarms) + " |\n"
                    for samples, top1 in curves["single"])
+    diloco = ""
+    if "diloco" in curves:
+        final_samples, final_ddp = curves["DDP"][-1]
+        reached = at(curves["diloco"], final_samples)
+        gap = final_ddp - float(reached) if reached else None
+        diloco = (f" diloco: 2 peers, {result['inner_steps']} inner steps of 32 per round, the preset's schedule"
+                  " counted in inner steps (so it reaches its floor after half the samples); round r is plotted at r x"
+                  f" {result['inner_steps']} x 32 x 2 samples.")
+        verdict = ("\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen. "
+                   + (_verdict(gap <= 0.01, f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples")
+                      if gap is not None else "**Not met** (diloco was not validated by then)."))
+    else:
+        verdict = ""
     return (
         "## convergence\n\n"
         f"{_measured_by('convergence', env)} The `{result['preset']}` preset from the same initial weights with the"
         f" same LR schedule and {result['global_batch_size']} samples per optimizer step: single (batch 32,"
         " accumulating 4), DDP (2 processes x 32, accumulating 2) and a swarm of 2 peers (target batch"
-        f" {result['global_batch_size']}). The baselines validate after each pass over the training data, the"
-        " coordinator after each swarm epoch it sees; the swarm's column is its last validation at or before that"
+        f" {result['global_batch_size']}).{diloco} The baselines validate after each pass over the training data, the"
+        " coordinator after each swarm epoch it sees; a swarm's column is its last validation at or before that"
         " many samples.\n\n"
         f"![Validation top-1 against samples seen]({plot.name})\n\n"
-        "| samples seen | single | DDP | swarm |\n|---:|---:|---:|---:|\n"
+        f"| samples seen | single | DDP | {' | '.join(swarms)} |\n|---:|---:|---:|{'---:|' * len(swarms)}\n"
         f"{rows}\n"
-        "Every validation of the swarm (samples seen: top-1): "
-        + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves["swarm"]) + ".\n"
+        + "\n".join(f"Every validation of the {name} (samples seen: top-1): "
+                    + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves[name]) + "." for name in swarms)
+        + verdict + "\n"
     )
 
 

@@ -4,7 +4,8 @@ weighted by the samples behind each, and every peer goes on from the new outer p
 
 Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models": one all-reduce per H
 local steps instead of one per step. Built on hivemind 1.1.12's own pieces, without a fork: a `DecentralizedAverager`
-averages the pseudo-gradient and serves the outer state (parameters, momentum, round) to joiners, and a
+averages the outer parameters (see OuterState for why it is the same step) and serves the outer state (parameters,
+momentum, round) to joiners, and a
 `ProgressTracker` publishes each peer's samples under the run's progress key and tells when a round is due.
 
 When a round starts: once the samples the swarm trained since the last round reach H x (the run's per-step batch) x
@@ -38,53 +39,60 @@ def outer_state_prefix(run_id: str) -> str:
 class OuterState(DecentralizedAverager):
     """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
 
-    A round takes the outer step locally, on this peer's own pseudo-gradient, and then averages the resulting outer
-    parameters and momentum with the group, weighted by samples. The outer step is linear in (parameters, momentum,
-    pseudo-gradient), so when the peers start from the same state this equals the outer step on the weighted mean
-    pseudo-gradient, as DiLoCo defines it. Averaging the state rather than the pseudo-gradient costs the momentum's
-    bytes too, and buys what a volunteer swarm needs: peers whose states went apart (a round that failed part-way, a
-    peer that stepped alone) are back in line after their next round together, instead of drifting for good.
+    A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
+    this peer's own pseudo-gradient g, then averages the resulting outer parameters with the group, weighted by
+    samples, and recovers the averaged pseudo-gradient from them to update the momentum:
 
-    Joiners download (round, parameters + momentum)."""
+        anchor = p - lr m^2 buf;  p_i = anchor - lr (1 + m) g_i;  p = weighted mean of p_i
+        mean g = (anchor - p) / (lr (1 + m));  buf = m buf + mean g
+
+    When the peers start from the same (p, buf) this is exactly the outer step on the weighted mean pseudo-gradient,
+    as DiLoCo defines it, and only the parameters travel. Averaging parameters rather than pseudo-gradients buys what
+    a volunteer swarm needs: peers whose parameters went apart (a round that failed part-way, a peer that stepped
+    alone) share them again after their next round together (and a difference in momentum shrinks by m / (1 + m)
+    each round), instead of drifting for good. The parameters being close across peers, the all-reduce's own value
+    plus delta-to-the-average also rounds to the same float on every peer far more often than a pseudo-gradient's.
+
+    Joiners download (round, parameters + momentum). `outer_optimizer` holds the momentum buffers and the
+    hyperparameters in torch's SGD form, which is what checkpoints store."""
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
                  state_compression: CompressionBase = NoCompression(), **kwargs):
         self.outer_parameters = [p.detach().to("cpu", torch.float32, copy=True) for p in parameters]
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.outer_optimizer = torch.optim.SGD(self.outer_parameters, lr=outer_lr, momentum=outer_momentum,
                                                nesterov=outer_momentum > 0)
-        if outer_momentum > 0:  # zeros from the start: the averaged and downloaded state always has them
-            for param in self.outer_parameters:
-                self.outer_optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+        self.momentum = [torch.zeros_like(p) for p in self.outer_parameters] if outer_momentum > 0 else []
+        for param, buffer in zip(self.outer_parameters, self.momentum):
+            self.outer_optimizer.state[param]["momentum_buffer"] = buffer
         self.round = 0
         # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
         # peer's alone, and a joiner must not download it.
         self.round_lock = threading.Lock()
-        # The averaged tensors are the state itself (hivemind moves them to shared memory in place).
-        super().__init__(averaged_tensors=self._state_tensors(), dht=dht, prefix=prefix, compression=compression,
+        # The averaged tensors are the outer parameters themselves (hivemind moves them to shared memory in place).
+        super().__init__(averaged_tensors=self.outer_parameters, dht=dht, prefix=prefix, compression=compression,
                          state_compression=state_compression, start=True, **kwargs)
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        momentum = [self.outer_optimizer.state[p]["momentum_buffer"] for p in self.outer_parameters
-                    if "momentum_buffer" in self.outer_optimizer.state[p]]
-        return [*self.outer_parameters, *momentum]
+        return [*self.outer_parameters, *self.momentum]
 
     def get_current_state(self):
-        with self.round_lock, self.get_tensors() as tensors:  # a copy: the state may change while it is sent
-            return dict(round=self.round), [t.clone() for t in tensors], None
+        with self.round_lock, self.get_tensors():  # a copy: the state may change while it is sent
+            return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
 
     def set_state(self, round_: int, tensors: Sequence[torch.Tensor]) -> bool:
         """Take a state (from a peer or a checkpoint) after checking it: a round number, one tensor of the right shape
         per parameter and momentum buffer, finite values. Anything else is skipped with a warning; True when taken."""
-        with self.get_tensors() as mine:
-            if (not isinstance(round_, int) or round_ < 0 or len(tensors) != len(mine)
-                    or any(not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(tensors, mine))
-                    or not all(torch.isfinite(t).all() for t in tensors)):
-                logger.warning("Skipping a malformed outer state")
-                return False
-            with torch.no_grad():
-                for m, t in zip(mine, tensors):
-                    m.copy_(t)
+        mine = self._state_tensors()
+        if (not isinstance(round_, int) or round_ < 0 or len(tensors) != len(mine)
+                or any(not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(tensors, mine))
+                or not all(torch.isfinite(t).all() for t in tensors)):
+            logger.warning("Skipping a malformed outer state")
+            return False
+        with self.get_tensors(), torch.no_grad():
+            for m, t in zip(mine, tensors):
+                m.copy_(t)
             self.round = round_
         return True
 
@@ -103,34 +111,41 @@ class OuterState(DecentralizedAverager):
     def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
                    timeout: Optional[float]) -> Optional[bool]:
         """One round: the outer step on this peer's pseudo-gradient (outer minus local parameters), then, unless
-        `timeout` is None (alone), the state averaged with the group, weighted by `weight`. Returns True when averaged
-        with others, False when alone, None when averaging failed (the peer keeps its own step)."""
+        `timeout` is None (alone), the outer parameters averaged with the group, weighted by `weight`. Returns True
+        when averaged with others, False when alone, None when averaging failed (the peer keeps its own step)."""
         with self.round_lock:
             return self._outer_step(local_parameters, weight, timeout)
 
     def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
                     timeout: Optional[float]) -> Optional[bool]:
+        lr, m = self.outer_lr, self.outer_momentum
         with self.get_tensors(), torch.no_grad():
-            for outer, local in zip(self.outer_parameters, local_parameters):
-                outer.grad = outer - local.detach().to("cpu", torch.float32)
-            self.outer_optimizer.step()
-            for outer in self.outer_parameters:
-                outer.grad = None
+            anchors = []
+            for index, (outer, local) in enumerate(zip(self.outer_parameters, local_parameters)):
+                pseudo_gradient = outer - local.detach().to("cpu", torch.float32)
+                anchor = outer.sub(self.momentum[index], alpha=lr * m * m) if m else outer.clone()
+                outer.copy_(anchor).sub_(pseudo_gradient, alpha=lr * (1 + m))
+                anchors.append(anchor)
         started_round, self.round = self.round, self.round + 1
-        if timeout is None:
-            return False
-        try:
-            # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
-            # progress, and a slow peer after its current step.
-            gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
-        except Exception as e:  # no group, a groupmate that vanished mid-round
-            logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
+        averaged = False
+        if timeout is not None:
+            try:
+                # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
+                # progress, and a slow peer after its current step.
+                gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
+            except Exception as e:  # no group, a groupmate that vanished mid-round
+                logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
+                gathered = None
+            if gathered is not None:
+                # Groupmates that came from a later round bring this peer's round number up with their parameters.
+                self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
+                averaged = len(gathered) > 1
+        with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
+            for outer, anchor, buffer in zip(self.outer_parameters, anchors, self.momentum):
+                buffer.mul_(m).add_(anchor.sub_(outer), alpha=1 / (lr * (1 + m)))
+        if timeout is not None and gathered is None:
             return None
-        if gathered is None:
-            return None
-        # Groupmates that came from a later round bring this peer's round number up with the state they averaged in.
-        self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
-        return len(gathered) > 1
+        return averaged
 
     def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
         with self.get_tensors(), torch.no_grad():
