@@ -32,6 +32,7 @@ ONLINE_S = 30
 STALE_S = 120
 PEER_COLUMNS = ["name", "peer", "hardware", "client mode", "samples/s", "contributed", "last seen", "last seen (UTC)",
                 "state"]
+DILOCO_COLUMNS = ["inner steps", "pseudo-gradient norm", "MB per round"]  # what diloco peers report besides
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,16 +74,27 @@ def config_summary(config_json: str) -> str:
         config = RunConfig.from_json(config_json)
     except ValueError as e:
         return f"run configuration unreadable: {e}"
-    return (f"model {config.model.name} at {config.model.img_size} px · dataset {config.data.dataset} · "
-            f"target batch {config.swarm.target_batch_size} · per-step batch {config.batch_size} · "
-            f"lr {config.optim.lr:g}")
+    swarm = config.swarm
+    mode = (f"diloco: {swarm.inner_steps} inner steps per outer round, outer lr {swarm.outer_lr:g}, momentum"
+            f" {swarm.outer_momentum:g}" if swarm.mode == "diloco" else f"sync: target batch {swarm.target_batch_size}")
+    return (f"model {config.model.name} at {config.model.img_size} px · dataset {config.data.dataset} · {mode} · "
+            f"per-step batch {config.batch_size} · lr {config.optim.lr:g}")
+
+
+def is_diloco(config_json: str) -> bool:
+    try:
+        return RunConfig.from_json(config_json).swarm.mode == "diloco"
+    except ValueError:
+        return False
 
 
 def peer_rows(peers: list[PeerRow], now: float) -> list[dict]:
     return [{"name": p.name, "peer": p.peer_id[:8] + "…", "hardware": p.hardware,
              "client mode": "yes" if p.client_mode else "no", "samples/s": round(p.samples_per_second, 1),
              "contributed": p.samples, "last seen": ago(now - p.last_seen), "last seen (UTC)": utc(p.last_seen),
-             "state": peer_state(p.last_seen, now)} for p in peers]
+             "state": peer_state(p.last_seen, now), "inner steps": p.inner_steps,
+             "pseudo-gradient norm": None if p.pseudo_gradient_norm is None else round(p.pseudo_gradient_norm, 4),
+             "MB per round": None if p.round_bytes is None else round(p.round_bytes / 1e6, 1)} for p in peers]
 
 
 def leaderboard(peers: list[PeerRow]) -> list[dict]:
@@ -174,7 +186,8 @@ def show_live(store: Path, records_dir: Path) -> None:
     now = time.time()
     show_overview(view, now)
     st.subheader("Peers")
-    st.dataframe(pd.DataFrame(peer_rows(view.peers, now), columns=PEER_COLUMNS), hide_index=True)
+    columns = PEER_COLUMNS + (DILOCO_COLUMNS if is_diloco(view.run.config_json) else [])
+    st.dataframe(pd.DataFrame(peer_rows(view.peers, now), columns=columns), hide_index=True)
     show_contributions(view.peers)
     show_training(view.snapshots)
     show_validation(view.validations, view.best)
@@ -188,7 +201,7 @@ def show_overview(view: RunView, now: float) -> None:
     st.markdown(f"Run **{run.run_id}** · preset **{run.preset}**")
     st.caption(config_summary(run.config_json))
     columns = st.columns(6)
-    columns[0].metric("Swarm epoch", latest.epoch if latest else "–")
+    columns[0].metric("Outer round" if is_diloco(run.config_json) else "Swarm epoch", latest.epoch if latest else "–")
     columns[1].metric("Samples/s", f"{latest.samples_per_second:.1f}" if latest else "–")
     eta = latest.eta_seconds if latest else None
     columns[2].metric("Next epoch in", duration(eta) if eta is not None else "–")

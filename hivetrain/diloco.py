@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -67,6 +67,9 @@ class OuterState(DecentralizedAverager):
         for param, buffer in zip(self.outer_parameters, self.momentum):
             self.outer_optimizer.state[param]["momentum_buffer"] = buffer
         self.round = 0
+        self.last_pseudo_gradient_norm: Optional[float] = None  # this peer's own, in its last round
+        self.last_group_size = 0  # peers in its last round, itself included
+        self.compression = compression
         # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
         # peer's alone, and a joiner must not download it.
         self.round_lock = threading.Lock()
@@ -120,12 +123,14 @@ class OuterState(DecentralizedAverager):
                     timeout: Optional[float]) -> Optional[bool]:
         lr, m = self.outer_lr, self.outer_momentum
         with self.get_tensors(), torch.no_grad():
-            anchors = []
+            anchors, squares = [], 0.0
             for index, (outer, local) in enumerate(zip(self.outer_parameters, local_parameters)):
                 pseudo_gradient = outer - local.detach().to("cpu", torch.float32)
+                squares += float(torch.linalg.vector_norm(pseudo_gradient)) ** 2
                 anchor = outer.sub(self.momentum[index], alpha=lr * m * m) if m else outer.clone()
                 outer.copy_(anchor).sub_(pseudo_gradient, alpha=lr * (1 + m))
                 anchors.append(anchor)
+        self.last_pseudo_gradient_norm, self.last_group_size = squares ** 0.5, 1
         started_round, self.round = self.round, self.round + 1
         averaged = False
         if timeout is not None:
@@ -139,13 +144,23 @@ class OuterState(DecentralizedAverager):
             if gathered is not None:
                 # Groupmates that came from a later round bring this peer's round number up with their parameters.
                 self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
-                averaged = len(gathered) > 1
+                averaged, self.last_group_size = len(gathered) > 1, len(gathered)
         with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
             for outer, anchor, buffer in zip(self.outer_parameters, anchors, self.momentum):
                 buffer.mul_(m).add_(anchor.sub_(outer), alpha=1 / (lr * (1 + m)))
         if timeout is not None and gathered is None:
             return None
         return averaged
+
+    @property
+    def last_round_bytes(self) -> int:
+        """What this peer sent in its last round, estimated: hivemind's butterfly all-reduce in a group of n sends
+        (n - 1) / n of the averaged tensors to the other reducers, and as much again of averaged results back."""
+        n = self.last_group_size
+        per_value = 2 if isinstance(self.compression, Float16Compression) else 1 if isinstance(
+            self.compression, Uniform8BitQuantization) else 4
+        values = sum(p.numel() for p in self.outer_parameters)
+        return int(2 * (n - 1) / n * values * per_value) if n else 0
 
     def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
         with self.get_tensors(), torch.no_grad():
@@ -180,7 +195,8 @@ class DiLoCoRounds:
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
                  private_key: Optional[RSAPrivateKey] = None):
         self.parameters = list(parameters)
-        self.inner_steps, self.averaging_timeout, self.load_state_timeout = inner_steps, averaging_timeout, load_state_timeout
+        self.inner_steps, self.batch_size = inner_steps, batch_size
+        self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.outer = OuterState(
             self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
             state_compression=state_compression, min_matchmaking_time=matchmaking_time,
@@ -200,6 +216,10 @@ class DiLoCoRounds:
     @property
     def num_peers(self) -> int:
         return self.tracker.global_progress.num_peers
+
+    @property
+    def inner_steps_since_round(self) -> int:
+        return self.samples // self.batch_size
 
     def load_state_from_peers(self) -> bool:
         """Take the swarm's newest outer state, and start the next inner steps from it."""

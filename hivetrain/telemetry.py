@@ -37,6 +37,10 @@ class PeerRecord(BaseModel):
     loss: Optional[StrictFloat]  # mean training loss since the last record; None before the first step or when NaN
     samples: conint(ge=0, strict=True)  # samples contributed since the peer joined
     time: StrictFloat  # unix time of the record
+    # diloco runs only (None in sync runs, and from peers that predate them)
+    inner_steps: Optional[conint(ge=0, strict=True)] = None  # inner steps since this peer's last outer round
+    pseudo_gradient_norm: Optional[confloat(ge=0.0, strict=True)] = None  # of its pseudo-gradient in its last round
+    round_bytes: Optional[conint(ge=0, strict=True)] = None  # bytes it sent in its last round (estimated)
 
 
 class _MetricsSchema(BaseModel):

@@ -1,5 +1,6 @@
 """The dashboard against fixture metrics stores, through Streamlit's AppTest, and its pure helpers directly."""
 
+import dataclasses
 import importlib.util
 import re
 import shutil
@@ -31,10 +32,10 @@ def run_app(monkeypatch, store: Path, records: Path) -> AppTest:
     return at
 
 
-def write_run(path: Path, peers: list[PeerRow], top1s: list[float], checkpoints: list[CheckpointRow] = ()) -> None:
+def write_run(path: Path, peers: list[PeerRow], top1s: list[float], checkpoints: list[CheckpointRow] = (),
+              config=get_preset("demo")) -> None:
     """A demo-preset run: the given peers, five snapshots (epochs 0..4) and one validation per top-1 (epochs 1..)."""
     now = time.time()
-    config = get_preset("demo")
     with MetricsWriter(path) as writer:
         writer.set_run(RunInfo("hivetrain-demo", "demo", config.fingerprint, config.to_json(),
                                "python peers/join.py --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/Qm", "QmCoordinator",
@@ -124,6 +125,25 @@ def test_running_swarm(monkeypatch, tmp_path):
     assert '"shape": "diamond"' in charts[4].proto.spec  # the best point marked on the accuracy chart
     assert any("swarm epoch **3**" in m.value for m in at.markdown)
     assert any("No checkpoint yet" in c.value for c in at.caption)
+
+
+def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tmp_path):
+    store = tmp_path / "metrics.sqlite"
+    config = get_preset("demo")
+    config = config.replace(swarm=dataclasses.replace(config.swarm, mode="diloco", inner_steps=20))
+    fast, slow = peer("alpha", 900, 3), peer("bravo", 300, 4)
+    fast.inner_steps, fast.pseudo_gradient_norm, fast.round_bytes = 23, 0.4172, 4_000_000
+    slow.inner_steps, slow.pseudo_gradient_norm, slow.round_bytes = 7, 0.3001, 4_000_000
+    write_run(store, [fast, slow], [0.5, 0.7], config=config)
+    at = run_app(monkeypatch, store, tmp_path)
+
+    assert metric(at, "Outer round") == "4"
+    assert "diloco: 20 inner steps per outer round, outer lr 0.7, momentum 0.9" in at.caption[0].value
+    table = at.dataframe[0].value
+    assert list(table.columns) == app.PEER_COLUMNS + app.DILOCO_COLUMNS
+    assert dict(zip(table["name"], table["inner steps"])) == {"alpha": 23, "bravo": 7}
+    assert dict(zip(table["name"], table["pseudo-gradient norm"])) == {"alpha": 0.4172, "bravo": 0.3001}
+    assert list(table["MB per round"]) == [4.0, 4.0]
 
 
 def test_validation_against_wall_time(monkeypatch, tmp_path):

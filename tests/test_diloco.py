@@ -119,6 +119,9 @@ def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradi
                                 for p in peer.outer.outer_parameters]
             torch.testing.assert_close(_flat(momentum_buffers), mean, rtol=0, atol=1e-5)
         assert (expected - outer0).abs().max() > 1e-3  # the round really moved the weights
+        for peer, own in zip(rounds, pseudo):  # what the peers report: their own pseudo-gradient, the bytes sent
+            assert peer.outer.last_pseudo_gradient_norm == pytest.approx(own.norm().item(), rel=1e-3)
+            assert peer.outer.last_group_size == 2 and peer.outer.last_round_bytes == outer0.numel() * 4
     finally:
         for peer in rounds:
             peer.shutdown()
