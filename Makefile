@@ -5,10 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test dashboard bench install install-dev
+.PHONY: demo test dashboard bench logbook install install-dev
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
+
+# The committed logbook changes only here: the demo's page and swarm record, and the reliability page of the fault
+# tests (make bench SUITE=... writes the benchmark sections).
+logbook: $(VENV)/.installed-dev
+	$(PY) scripts/demo.py --publish
+	HIVETRAIN_RELIABILITY_PAGE=logbook/reliability.md $(PY) -m pytest -q tests/test_faults.py
 
 dashboard: $(VENV)/.installed
 	$(PY) -m dashboard.launch $(if $(STORE),--store $(STORE))

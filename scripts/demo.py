@@ -1,6 +1,6 @@
 """The embedded default: a coordinator and two volunteer peers on this machine train the `demo` preset (a tiny ViT on
 scikit-learn's digits). The coordinator validates the shared model as it trains and keeps the best checkpoint; the
-run is written to logbook/demo.md from its metrics store.
+run is written to runs/demo/logbook/demo.md from its metrics store (with --publish, `make logbook`: to logbook/).
 
     python scripts/demo.py [--epochs 50]
 """
@@ -129,13 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python scripts/demo.py")
     parser.add_argument("--epochs", type=int, default=50, help="swarm epochs to train (128 samples each)")
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "demo"), help="where logs and weights go")
-    parser.add_argument("--logbook", default=str(ROOT / "logbook" / "demo.md"), help="the page written at the end")
+    parser.add_argument("--logbook", default=None,
+                        help="the page written at the end (default: <workdir>/logbook/demo.md; with --publish,"
+                             " logbook/demo.md)")
     parser.add_argument("--dashboard-port", type=int, default=8501,
                         help="where the dashboard serves on 127.0.0.1 (default: %(default)s; a free one when busy)")
-    parser.add_argument("--record-dir", default=str(ROOT / "logbook" / "records"),
-                        help="where the swarm's run record goes, beside the baselines' ('' for none); the demo's"
-                             " baselines page is rebuilt from that folder")
+    parser.add_argument("--record-dir", default=None,
+                        help="where the swarm's run record goes ('' for none; default: <workdir>/records; with"
+                             " --publish, logbook/records); the demo's baselines page is rebuilt beside its page from"
+                             " that folder and the committed baseline records in logbook/records")
+    parser.add_argument("--publish", action="store_true",
+                        help="write the page and the run record into the repository's logbook/ (make logbook): the"
+                             " committed logbook changes only when asked")
     args = parser.parse_args(argv)
+    logbook = ROOT / "logbook" if args.publish else Path(args.workdir) / "logbook"
+    args.logbook = args.logbook or str(logbook / "demo.md")
+    if args.record_dir is None:
+        args.record_dir = str(logbook / "records")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for previous in ("metrics.sqlite", "metrics.sqlite-wal", "metrics.sqlite-shm", "checkpoints", "tensorboard"):
@@ -193,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                                " ".join(["python", *sys.argv]))
         from hivetrain.logbook import build
 
-        records, out = _shown(Path(args.record_dir)), _shown(Path(args.logbook).parent)
-        pages = build([Path(args.record_dir)], Path(args.logbook).parent, "demo",
+        # The committed baselines of the preset beside this run (the same folder when publishing).
+        folders = list(dict.fromkeys([ROOT / "logbook" / "records", Path(args.record_dir).resolve()]))
+        records, out = " ".join(_shown(folder) for folder in folders), _shown(Path(args.logbook).parent)
+        pages = build(folders, Path(args.logbook).parent, "demo",
                       f"python -m hivetrain.logbook build --records {records} --out {out}")
         print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
     best = result["best"]
