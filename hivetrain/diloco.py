@@ -264,9 +264,9 @@ class DiLoCoRounds:
         return self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
 
     def run_round(self) -> None:
-        """Take the outer step and average the state with whoever is in the round (alone: this peer's step only),
-        then continue from the new outer parameters. A round that failed with others keeps this peer's own step: its
-        state rejoins the others' at its next round together."""
+        """Take the outer step and average the outer parameters with whoever is in the round (alone: this peer's step
+        only), then continue from them. A round that failed with others keeps this peer's own step: its parameters
+        rejoin the others' at its next round together."""
         if not self.samples:
             return  # nothing trained since the last round: nothing to contribute (a zero weight)
         started = time.perf_counter()
