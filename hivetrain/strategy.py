@@ -198,15 +198,7 @@ class HivemindStrategy(Strategy):
         others publishes its empty progress itself and hands what it reads to its tracker, so that from the first step
         on the tracker counts the others and the first epoch is averaged.
         """
-        tracker = self.tracker
-        own = tracker._get_local_progress(tracker.local_progress.epoch, samples_accumulated=0)
-        self.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=own.dict(),
-                       expiration_time=get_dht_time() + tracker.metadata_expiration)
-        found = self.dht.get(tracker.training_progress_key, latest=True)
-        with tracker.lock_global_progress:
-            tracker.global_progress = tracker._parse_swarm_progress_data(found.value if found is not None else None)
-        tracker.global_state_updated.set()  # its fetcher plans its next look from this progress
-        return tracker.global_progress.num_peers
+        return _announce_and_count_peers(self.dht, self.tracker)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -239,14 +231,7 @@ class HivemindStrategy(Strategy):
     def _setup_diloco(self) -> None:
         """The module's own optimizer and scheduler take the inner steps, as Lightning runs them; the rounds come
         after an optimizer step (optimizer_step)."""
-        options = self.options
-        self.rounds = DiLoCoRounds(
-            self.dht, options.run_id, list(self.lightning_module.parameters()), inner_steps=options.inner_steps,
-            batch_size=options.batch_size, outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
-            matchmaking_time=options.matchmaking_time, averaging_timeout=options.averaging_timeout,
-            next_chunk_timeout=options.next_chunk_timeout, compression=COMPRESSION[options.grad_compression](),
-            state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
-        )
+        self.rounds = _make_rounds(self.options, self.dht, list(self.lightning_module.parameters()))
         logger.info("Loading the swarm's outer state before the first step")
         self.load_state_from_peers()
         logger.info(f"Joined the swarm at outer round {self.local_epoch}")
@@ -254,12 +239,7 @@ class HivemindStrategy(Strategy):
     def _follow_swarm_schedule(self) -> None:
         """The inner LR schedule follows the swarm, not this peer's own step count: after round r it stands at least
         at r x H steps, so a late joiner, or a slow peer that took fewer inner steps, continues the swarm's schedule."""
-        swarm_steps = self.rounds.round * self.options.inner_steps
-        for config in self.lr_scheduler_configs:
-            with warnings.catch_warnings():  # a joiner advances its schedule before its first optimizer step
-                warnings.simplefilter("ignore", UserWarning)
-                while config.scheduler.last_epoch < swarm_steps:
-                    config.scheduler.step()
+        _advance_schedules(self.lr_scheduler_configs, self.rounds.round * self.options.inner_steps)
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -286,6 +266,38 @@ class HivemindStrategy(Strategy):
 
 def _keep_gradients(*args: Any, **kwargs: Any) -> None:
     pass
+
+
+def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[torch.nn.Parameter]) -> DiLoCoRounds:
+    return DiLoCoRounds(
+        dht, options.run_id, parameters, inner_steps=options.inner_steps,
+        batch_size=options.batch_size, outer_lr=options.outer_lr, outer_momentum=options.outer_momentum,
+        matchmaking_time=options.matchmaking_time, averaging_timeout=options.averaging_timeout,
+        next_chunk_timeout=options.next_chunk_timeout, compression=COMPRESSION[options.grad_compression](),
+        state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
+    )
+
+
+def _announce_and_count_peers(dht: hivemind.DHT, tracker: ProgressTracker) -> int:
+    """Publish this peer's empty progress and read everyone's into its tracker (see
+    HivemindStrategy.announce_and_count_peers)."""
+    own = tracker._get_local_progress(tracker.local_progress.epoch, samples_accumulated=0)
+    dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=own.dict(),
+              expiration_time=get_dht_time() + tracker.metadata_expiration)
+    found = dht.get(tracker.training_progress_key, latest=True)
+    with tracker.lock_global_progress:
+        tracker.global_progress = tracker._parse_swarm_progress_data(found.value if found is not None else None)
+    tracker.global_state_updated.set()  # its fetcher plans its next look from this progress
+    return tracker.global_progress.num_peers
+
+
+def _advance_schedules(lr_scheduler_configs: list, steps: int) -> None:
+    """Step each LR scheduler until it stands at least at `steps`."""
+    for config in lr_scheduler_configs:
+        with warnings.catch_warnings():  # a joiner advances its schedule before its first optimizer step
+            warnings.simplefilter("ignore", UserWarning)
+            while config.scheduler.last_epoch < steps:
+                config.scheduler.step()
 
 
 class SwarmOptimizer(hivemind.Optimizer):
