@@ -1,5 +1,6 @@
-"""Our Lightning strategy for hivemind: one process per peer, gradients accumulated to the swarm's target batch and
-averaged with whoever is training, the LR schedule stepped on swarm epochs.
+"""Our Lightning strategies for hivemind. HivemindStrategy: one process per peer, gradients accumulated to the swarm's
+target batch and averaged with whoever is training, the LR schedule stepped on swarm epochs (or DiLoCo rounds).
+DiLoCoDDPStrategy: one diloco peer whose inner steps run with DDP across several devices of one machine.
 
 Written for Lightning 2.6 and hivemind 1.1.12 in place of the stale `lightning-hivemind` adapter: initial peers from
 the argument or HIVETRAIN_INITIAL_PEERS really reach the DHT, client mode and relays are exposed, and fp16 training
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,8 +26,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from hivetrain.diloco import DiLoCoRounds
@@ -298,6 +302,161 @@ def _advance_schedules(lr_scheduler_configs: list, steps: int) -> None:
             warnings.simplefilter("ignore", UserWarning)
             while config.scheduler.last_epoch < steps:
                 config.scheduler.step()
+
+
+class DiLoCoDDPStrategy(DDPStrategy):
+    """One diloco peer on several devices of one machine: its inner steps run with DDP across them (one process per
+    device), and it joins the swarm as ONE peer with one identity.
+
+    Global rank 0 is the peer: it alone holds the DHT (give it `dht`; the other ranks get None) and the DiLoCoRounds,
+    publishes progress and takes part in the rounds. The other ranks never touch the swarm. Each round is weighted by
+    the samples of all ranks (batch x world size per inner step), while the round rule counts H x the run's batch per
+    peer, as every other peer counts it. After each inner optimizer step the ranks agree whether it was finite, rank 0
+    runs its side of the round, and tells the others whether the parameters changed to a new outer state and which
+    round the swarm is at; when they changed, every rank takes rank 0's parameters. So all ranks always continue from
+    the same outer parameters, follow the same inner LR schedule (round x H) and know the same `local_epoch`.
+
+    `announce_and_count_peers` and `load_state_from_peers` are collective: every rank calls them, rank 0 does the work.
+    The swarm accessors (tracker, num_peers, epoch_samples, swarm_seconds, dht) mean something on rank 0 only.
+    Each rank reads a different shard of the data: a DistributedSampler seeded with `data_seed` (one seed per peer,
+    so peers see different orders).
+    """
+
+    def __init__(self, options: HivemindOptions, dht: Optional[hivemind.DHT] = None, data_seed: int = 0,
+                 **ddp_kwargs: Any):
+        if options.mode != "diloco":
+            raise ValueError(f"{type(self).__name__} trains diloco runs only, not mode {options.mode!r}")
+        super().__init__(**ddp_kwargs)
+        self.options, self.dht, self.data_seed = options, dht, data_seed
+        self.rounds: Optional[DiLoCoRounds] = None  # rank 0
+        self._round = 0  # the swarm's outer round, as rank 0 last told every rank
+        self._own_sigterm_handler: Any = None  # the process's SIGTERM handler before Lightning's
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return dict(super().distributed_sampler_kwargs, seed=self.data_seed)
+
+    # --- the swarm (accessors as HivemindStrategy's) --------------------------------------------------------------
+
+    @property
+    def local_epoch(self) -> int:
+        """The outer round this peer is at, the same on every rank."""
+        return self._round
+
+    @property
+    def tracker(self) -> Optional[ProgressTracker]:
+        return self.rounds.tracker if self.rounds is not None else None
+
+    @property
+    def num_peers(self) -> int:
+        return max(1, self.tracker.global_progress.num_peers) if self.tracker is not None else 1
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples the swarm trains per outer round: H x batch x peers."""
+        if self.tracker is not None:
+            return self.tracker.target_batch_size
+        return self.options.inner_steps * self.options.batch_size
+
+    @property
+    def swarm_seconds(self) -> float:
+        return self.rounds.swarm_seconds if self.rounds is not None else 0.0
+
+    def load_state_from_peers(self) -> None:
+        """Collective: rank 0 downloads the swarm's outer state, every rank continues from it."""
+        if self.rounds is not None:
+            self.rounds.load_state_from_peers()
+        self._share_outer_state(changed=True)
+
+    def announce_and_count_peers(self) -> int:
+        """Collective: rank 0 announces this peer and counts the training peers (HivemindStrategy's), every rank
+        gets the count."""
+        count = _announce_and_count_peers(self.dht, self.tracker) if self.rounds is not None else 0
+        return self._broadcast_ints(count)[0]
+
+    # --- Lightning ------------------------------------------------------------------------------------------------
+
+    def configure_ddp(self) -> None:
+        # Rank 0 joins and loads the swarm's outer state before DDP wraps the model: DDP starts by broadcasting rank 0's
+        # parameters to the others.
+        if self.is_global_zero:
+            if self.dht is None:
+                raise ValueError(f"{type(self).__name__}: global rank 0 talks to the swarm and needs the DHT")
+            self.rounds = _make_rounds(self.options, self.dht, list(self.lightning_module.parameters()))
+            logger.info("Loading the swarm's outer state before the first step")
+            self.rounds.load_state_from_peers()
+            logger.info(f"Joined the swarm at outer round {self.rounds.round}")
+        self._round = self._broadcast_ints(self.rounds.round if self.rounds is not None else 0)[0]
+        super().configure_ddp()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{type(self).__name__} trains with exactly one optimizer, got {len(self.optimizers)}")
+        if len(self.lr_scheduler_configs) > 1:
+            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler")
+        _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
+        self._own_sigterm_handler = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
+
+    def on_train_start(self) -> None:
+        # Lightning's SIGTERM handler forwards the signal to the other ranks and broadcasts from inside the handler:
+        # wherever the signal lands, that broadcast pairs with another rank's next collective of this strategy or
+        # of DDP, and the ranks' collectives no longer match. The process's own handler stays instead: on rank 0 it
+        # leaves (KeyboardInterrupt), and on_exception stops the other ranks.
+        if self._own_sigterm_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._own_sigterm_handler)
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        trained = output is not None  # None: training_step returned None, nothing was trained
+        finite = not trained or bool(torch.isfinite(output).all())
+        # Every rank takes part, whatever its own step did: [ranks with a non-finite step, samples of all ranks].
+        tally = torch.tensor([0 if finite else 1, self.options.batch_size if trained else 0], dtype=torch.int64,
+                             device=self.root_device)
+        torch.distributed.all_reduce(tally)
+        non_finite, samples = tally.tolist()
+        changed = False
+        if self.rounds is not None and (samples or non_finite):
+            changed = self.rounds.after_inner_step(samples, finite=not non_finite)
+        if self._share_outer_state(changed) and non_finite:
+            optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
+        return output
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Rank 0 leaves early (Ctrl-C, SIGTERM, an error): the ranks it launched stop at once. Lightning would kill
+        them only after its teardown, and its process observer, seeing them killed, would then kill this process
+        too, in the middle of its goodbye to the swarm."""
+        launched = getattr(self.launcher, "procs", None)  # Lightning's subprocess launcher, on rank 0
+        if launched:
+            stopping = list(launched)
+            launched.clear()  # the observer and Lightning's own kill share this list: they find nothing left to do
+            for process in stopping:
+                process.kill()  # a rank waiting in a collective for rank 0 would not see a gentler signal
+                process.wait()
+        super().on_exception(exception)
+
+    def _share_outer_state(self, changed: bool) -> bool:
+        """Rank 0 tells every rank the swarm's round and whether the parameters changed to a new outer state; when
+        they did, every rank takes rank 0's parameters and moves its LR schedule to the round. Returns `changed`."""
+        changed, self._round = self._broadcast_ints(int(changed), self.rounds.round if self.rounds is not None else 0)
+        if changed:
+            _sync_module_states(self.lightning_module)  # rank 0's parameters and buffers to every rank
+            _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
+        return bool(changed)
+
+    def _broadcast_ints(self, *values: int) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64, device=self.root_device)
+        torch.distributed.broadcast(tensor, src=0)
+        return tensor.tolist()
+
+    def teardown(self) -> None:
+        # The averager and tracker use the DHT, which belongs to the caller: they go, the DHT stays.
+        if self.rounds is not None:
+            self.rounds.shutdown()
+            self.rounds = None
+        super().teardown()
 
 
 class SwarmOptimizer(hivemind.Optimizer):
