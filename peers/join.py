@@ -4,12 +4,18 @@
 
 The peer fetches the run's configuration from the swarm, builds the model and data it describes, and trains with
 the others until you press Ctrl-C (or a --max-* limit is reached).
+
+With --devices N (diloco runs) the peer trains on N devices of this machine with DDP and is still one peer: this
+process (rank 0) talks to the swarm, and Lightning starts the other ranks by running this same command again with
+LOCAL_RANK set; they get what they need from rank 0 through RANK_SETUP_ENV and never touch the swarm.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
+import json
 import os
 import sys
 import threading
@@ -18,6 +24,11 @@ from functools import partial
 from pathlib import Path
 
 # Imports of torch, lightning and hivemind take seconds: they come after the arguments are checked.
+
+# Set by rank 0 of a peer on several devices before Lightning launches the other ranks (they inherit its environment):
+# the run's configuration and the peer's data seed, as JSON.
+RANK_SETUP_ENV = "HIVETRAIN_PEER_RANK_SETUP"
+OTHER_RANKS_EXIT_TIMEOUT = 60.0  # seconds rank 0 waits for the other ranks to finish after training
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="default: the run's; auto picks bf16/fp16 mixed precision on GPUs and 32 on CPUs")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="auto (default): cuda when a GPU is present, else cpu")
+    train.add_argument("--devices", type=int, default=1, metavar="N",
+                       help="train on N devices of this machine with DDP (N GPUs, or N CPU processes), as one peer;"
+                            " diloco runs only (default: 1)")
     train.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     train.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
     train.add_argument("--pretrained-weights", default=None, metavar="FILE",
@@ -74,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
     if args.port < 0 or args.port > 65535:
         parser.error("--port must be in 0..65535")
     return args
@@ -126,9 +142,34 @@ def choose_precision(requested: str, device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    rank_setup = os.environ.get(RANK_SETUP_ENV)
+    if rank_setup is not None and os.environ.get("LOCAL_RANK", "0") != "0":
+        return _train_as_other_rank(args, rank_setup)
     from hivetrain.swarm import run_role
 
     return run_role(partial(_join, args), farewell="Left the swarm.")
+
+
+def _train_as_other_rank(args: argparse.Namespace, rank_setup: str) -> int:
+    """A rank that rank 0 of this peer launched: it trains its share of each inner step and never touches the swarm
+    (no DHT, no records, no console lines); the run's configuration and the data seed came from rank 0."""
+    import logging
+    import signal
+
+    import lightning.pytorch  # noqa: F401  (sets its loggers' levels on import: quieten them after it)
+
+    from hivetrain.config import RunConfig
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("lightning.pytorch", "lightning.fabric"):  # rank 0 already says what Lightning is doing
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # The peer leaves through rank 0: it says goodbye to the swarm and stops the other ranks (DiLoCoDDPStrategy.
+    # on_exception). Ctrl-C reaches every process of the terminal's group, and a rank that stopped on its own would
+    # break rank 0's collective mid-step (a gloo error instead of a goodbye).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    handed = json.loads(rank_setup)
+    return _train(args, None, RunConfig.from_dict(handed["config"]), client_mode=False, data_seed=handed["data_seed"])
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -179,6 +220,12 @@ def _join(args: argparse.Namespace) -> int:
                 f"the run's configuration (preset {config.preset!r}, fingerprint {config.fingerprint}) differs from"
                 f" --preset {args.preset} (fingerprint {expected.fingerprint}): this peer would train another model"
             )
+        if args.devices > 1 and config.swarm.mode != "diloco":
+            raise SwarmError(
+                f"--devices {args.devices} needs a diloco run (a peer on several devices trains DiLoCo's inner steps"
+                f" with DDP), but run {config.run_id} is in {config.swarm.mode} mode: join it with --devices 1, or"
+                f" start a run with coordinator/start.py --mode diloco"
+            )
         training_stack.join()  # its imports must not be half done when the averagers fork
         return _train(args, dht, config, client_mode)
     except (SwarmError, ValueError) as e:
@@ -199,31 +246,50 @@ def _import_training_stack() -> None:
     import peers.progress  # noqa: F401
 
 
-def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
+def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: int | None = None) -> int:
+    """Train with the swarm. `dht` is None on the other ranks of a peer on several devices (they never touch the
+    swarm); rank 0, or a peer on one device, holds it."""
+    import logging
+
     import lightning.pytorch as pl
     import torch
 
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
-    from hivetrain.strategy import HivemindOptions, HivemindStrategy
-    from hivetrain.telemetry import describe_hardware
+    from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
     from peers.progress import SwarmProgress
 
+    speaks = dht is not None  # the peer's voice: one device, or rank 0 of several
+    devices = args.devices
+    if devices > 1:  # as run_role does for lightning.pytorch: its DDP set-up messages are no events of the peer
+        logging.getLogger("lightning.fabric").propagate = False  # (its warnings still show)
     if args.threads:
         torch.set_num_threads(args.threads)
+        if devices > 1:  # Lightning's launcher would give each rank its own share of the cores instead
+            os.environ["OMP_NUM_THREADS"] = str(args.threads)
     device = choose_device(args.device)
+    if device == "cuda" and devices > torch.cuda.device_count():
+        print(f"error: --devices {devices}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+              file=sys.stderr)
+        return 2
     precision = choose_precision(args.precision or config.precision, device)
     batch_size = args.batch_size or config.batch_size
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if data_seed is None:
+        data_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     name = args.name or os.uname().nodename
-    print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
-          f" {device}, precision {precision}, batch {batch_size}, {'client mode' if client_mode else 'reachable'}",
-          flush=True)
+    if speaks:
+        where = device if devices == 1 else f"{devices} {device} devices (DDP)"
+        print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
+              f" {where}, precision {precision}, batch {batch_size}{' per device' if devices > 1 else ''},"
+              f" {'client mode' if client_mode else 'reachable'}", flush=True)
 
     try:
-        model = create_model(config.model, args.pretrained_weights, seed=config.seed)
-        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=seed)
+        if speaks:
+            model = create_model(config.model, args.pretrained_weights, seed=config.seed)
+        else:  # its weights come from rank 0 when DDP starts: no pretrained download or file read here
+            model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed)
+        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=data_seed)
         datamodule.prepare_data()
         datamodule.setup()
     except (DatasetUnavailable, PretrainedWeightsUnavailable) as e:
@@ -231,33 +297,35 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
         return 2
     module = ImageClassifier(config, model)
     swarm = config.swarm
-    strategy = HivemindStrategy(
-        HivemindOptions(
-            run_id=config.run_id,
-            target_batch_size=swarm.target_batch_size,
-            batch_size=batch_size,
-            matchmaking_time=swarm.matchmaking_time,
-            averaging_timeout=swarm.averaging_timeout,
-            next_chunk_timeout=swarm.next_chunk_timeout,
-            grad_compression=swarm.grad_compression,
-            state_compression=swarm.state_compression,
-            average_state_every=swarm.average_state_every,
-            mode=swarm.mode,
-            inner_steps=swarm.inner_steps,
-            outer_lr=swarm.outer_lr,
-            outer_momentum=swarm.outer_momentum,
-            verbose=args.verbose,
-        ),
-        dht=dht,
-        device=torch.device(device),
+    options = HivemindOptions(
+        run_id=config.run_id,
+        target_batch_size=swarm.target_batch_size,
+        batch_size=batch_size,
+        matchmaking_time=swarm.matchmaking_time,
+        averaging_timeout=swarm.averaging_timeout,
+        next_chunk_timeout=swarm.next_chunk_timeout,
+        grad_compression=swarm.grad_compression,
+        state_compression=swarm.state_compression,
+        average_state_every=swarm.average_state_every,
+        mode=swarm.mode,
+        inner_steps=swarm.inner_steps,
+        outer_lr=swarm.outer_lr,
+        outer_momentum=swarm.outer_momentum,
+        verbose=args.verbose,
     )
-    progress = SwarmProgress(batch_size=batch_size, name=name,
-                             hardware=describe_hardware(device), client_mode=client_mode,
+    if devices == 1:
+        strategy = HivemindStrategy(options, dht=dht, device=torch.device(device))
+    else:
+        strategy = DiLoCoDDPStrategy(options, dht=dht, data_seed=data_seed)
+        if speaks:  # the ranks Lightning launches inherit this process's environment
+            os.environ[RANK_SETUP_ENV] = json.dumps(dict(config=config.to_dict(), data_seed=data_seed))
+    progress = SwarmProgress(batch_size=batch_size * devices, name=name,
+                             hardware=_describe_hardware(device, devices) if speaks else "", client_mode=client_mode,
                              stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers)
-    show_bar = args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty())
+    show_bar = speaks and (args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty()))
     trainer = pl.Trainer(
         accelerator=device,
-        devices=1,
+        devices=devices,
         strategy=strategy,
         precision=precision,
         max_epochs=-1,
@@ -277,6 +345,11 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
     except SystemExit:  # Lightning's answer to Ctrl-C: it has torn down (goodbye to peers), then exits 1
         if not trainer.interrupted:
             raise
+    if not speaks:
+        return 0
+    # Rank 0 leaves after the ranks it launched: they end by themselves after training (DiLoCoDDPStrategy stopped
+    # them already when training ended early).
+    failed_ranks = [] if trainer.interrupted else _wait_for_other_ranks(trainer, OTHER_RANKS_EXIT_TIMEOUT)
     swarm_share = (f"; of {progress.train_seconds:.1f} s training, {progress.swarm_seconds:.1f} s in swarm rounds"
                    f" and state downloads" if progress.train_seconds else "")
     print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
@@ -286,7 +359,40 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool) -> int:
         print(f"Saved the weights to {args.save_weights}", flush=True)
     if trainer.interrupted:
         raise KeyboardInterrupt
+    if failed_ranks:
+        print(f"error: {'; '.join(failed_ranks)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _describe_hardware(device: str, devices: int) -> str:
+    from hivetrain.telemetry import describe_hardware
+
+    hardware = describe_hardware(device)
+    if devices == 1:
+        return hardware
+    return f"{devices} x {hardware}" if device == "cuda" else f"{hardware}, {devices} processes"
+
+
+def _wait_for_other_ranks(trainer, timeout: float) -> list[str]:
+    """Wait up to `timeout` seconds for the ranks that Lightning launched from this process to exit, kill those still
+    running, and say which did not exit with 0 ("rank 1 exited with code 1")."""
+    import subprocess
+
+    failed = []
+    launched = getattr(trainer.strategy.launcher, "procs", [])
+    for rank, process in enumerate(list(launched), start=1):
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            launched.remove(process)  # Lightning's process observer would kill this process too on seeing it killed
+            process.kill()
+            process.wait()
+            failed.append(f"rank {rank} was still running {timeout:.0f} s after training (killed)")
+            continue
+        if code != 0:
+            failed.append(f"rank {rank} exited with code {code}")
+    return failed
 
 
 if __name__ == "__main__":

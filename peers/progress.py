@@ -1,5 +1,8 @@
 """What a peer shows while it trains and tells the swarm: one line per swarm epoch, a metrics record every few seconds
-(hivetrain.telemetry), and the stop-at-epoch rule."""
+(hivetrain.telemetry), and the stop-at-epoch rule.
+
+A peer on several devices (DiLoCoDDPStrategy) runs this callback on every rank: only global rank zero prints and
+publishes, while every rank waits for the peers and applies the stop rule, so that all ranks stop at the same step."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publi
 class SwarmProgress(pl.Callback):
     def __init__(self, batch_size: int, name: str, hardware: str, client_mode: bool,
                  stop_at_epoch: Optional[int] = None, min_peers: int = 1, publish_every: float = PUBLISH_EVERY):
+        """`batch_size`: the samples this peer trains per local step, on all its devices together."""
         self.batch_size, self.stop_at_epoch = batch_size, stop_at_epoch
         self.name, self.hardware, self.client_mode = name, hardware, client_mode
         self.min_peers, self.publish_every = min_peers, publish_every
@@ -36,7 +40,8 @@ class SwarmProgress(pl.Callback):
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
         self._epoch_started = self._train_started = time.monotonic()
         self._swarm_seconds_before = trainer.strategy.swarm_seconds
-        print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
+        if trainer.is_global_zero:
+            print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
         self._published = (time.monotonic(), 0)
         self._publish(trainer)
         self._maybe_stop(trainer)
@@ -57,10 +62,11 @@ class SwarmProgress(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         raise_if_leaving()
-        if not self.samples:
+        speaks = trainer.is_global_zero
+        if not self.samples and speaks:
             print(f"First local step done: contributing toward swarm epoch {trainer.strategy.local_epoch}", flush=True)
         self.samples += self.batch_size
-        if isinstance(outputs, dict) and "loss" in outputs:
+        if isinstance(outputs, dict) and "loss" in outputs:  # rank zero's own loss on a peer with several devices
             self._losses.append(float(outputs["loss"]))
             self._recent_losses.append(self._losses[-1])
         if time.monotonic() - self._published[0] >= self.publish_every:
@@ -68,16 +74,22 @@ class SwarmProgress(pl.Callback):
         epoch = trainer.strategy.local_epoch
         if epoch != self.epoch:
             now = time.monotonic()
-            throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(now - self._epoch_started, 1e-6)
-            loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
-            line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
-                    f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
-            bar = trainer.progress_bar_callback
-            bar.print(line) if bar is not None else print(line, flush=True)
+            if speaks:
+                self._print_epoch_line(trainer, pl_module, epoch, seconds=now - self._epoch_started)
             self.epoch, self._epoch_started, self._losses = epoch, now, []
         self._maybe_stop(trainer)
 
+    def _print_epoch_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int, seconds: float) -> None:
+        throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(seconds, 1e-6)
+        loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
+        line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
+                f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
+        bar = trainer.progress_bar_callback
+        bar.print(line) if bar is not None else print(line, flush=True)
+
     def _publish(self, trainer: pl.Trainer, wait: bool = False) -> None:
+        if not trainer.is_global_zero:  # the other ranks of a peer on several devices never touch the swarm
+            return
         now = time.monotonic()
         since, samples_then = self._published
         losses = self._recent_losses
@@ -97,12 +109,13 @@ class SwarmProgress(pl.Callback):
 
     def _wait_for_peers(self, trainer: pl.Trainer) -> None:
         """A peer alone takes whole swarm epochs by itself, at full local speed: with --min-peers it waits for others
-        to join before its first step."""
+        to join before its first step. On several devices every rank runs this loop in step with rank zero, which
+        counts the peers (announce_and_count_peers is collective there)."""
         if self.min_peers <= 1:
             return  # this peer alone is enough
         waited = 0.0
         while (present := trainer.strategy.announce_and_count_peers()) < self.min_peers:
-            if waited % 10 == 0:
+            if waited % 10 == 0 and trainer.is_global_zero:
                 print(f"Waiting for peers: {present} of {self.min_peers} in the swarm", flush=True)
             time.sleep(0.5)
             raise_if_leaving()
