@@ -381,11 +381,14 @@ def _wait_for_other_ranks(trainer, timeout: float) -> list[str]:
 
     failed = []
     launched = getattr(trainer.strategy.launcher, "procs", [])
-    for rank, process in enumerate(list(launched), start=1):
+    processes = list(launched)
+    # From here on this function watches them: Lightning's process observer shares the list, and on a rank that failed
+    # or was killed it would kill this process too, before its goodbye to the swarm.
+    launched.clear()
+    for rank, process in enumerate(processes, start=1):
         try:
             code = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            launched.remove(process)  # Lightning's process observer would kill this process too on seeing it killed
             process.kill()
             process.wait()
             failed.append(f"rank {rank} was still running {timeout:.0f} s after training (killed)")
