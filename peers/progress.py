@@ -93,6 +93,11 @@ class SwarmProgress(pl.Callback):
         now = time.monotonic()
         since, samples_then = self._published
         losses = self._recent_losses
+        rounds, diloco = trainer.strategy.rounds, {}  # diloco: what the dashboard shows of each peer's rounds
+        if rounds is not None:
+            diloco = dict(inner_steps=rounds.inner_steps_since_round,
+                          pseudo_gradient_norm=rounds.outer.last_pseudo_gradient_norm,
+                          round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None)
         record = PeerRecord(
             peer_id=trainer.strategy.dht.peer_id.to_base58(),
             name=self.name,
@@ -103,6 +108,7 @@ class SwarmProgress(pl.Callback):
             loss=finite_or_none(sum(losses) / len(losses)) if losses else None,
             samples=self.samples,
             time=time.time(),
+            **diloco,
         )
         publish_peer_record(trainer.strategy.dht, trainer.strategy.options.run_id, record, wait=wait)
         self._published, self._recent_losses = (now, self.samples), []

@@ -10,6 +10,7 @@ import torch
 from conftest import Process, start_coordinator
 from hivetrain.checkpoint import load_checkpoint
 from hivetrain.config import get_preset
+from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
 
 STOP_AT = 16
@@ -100,6 +101,11 @@ def test_the_coordinator_validates_and_resumes_the_outer_state(diloco_run, spawn
     top1 = [float(m.group(2)) for line in coordinator.lines
             if (m := re.match(r"validation at swarm epoch (\d+): top-1 ([\d.]+)", line))]
     assert len(top1) >= 3 and top1[-1] > top1[0] and max(top1) > 0.7, top1
+    with MetricsReader(tmp / "coordinator" / "metrics.sqlite") as store:  # what the dashboard shows of the rounds
+        recorded = {row.name: row for row in store.peers()}
+    for name in ("a", "b"):
+        assert recorded[name].pseudo_gradient_norm > 0 and recorded[name].inner_steps is not None
+        assert recorded[name].round_bytes >= 497_034 * 4  # the demo model's parameters, float32, in a group of 2+
     checkpoint = load_checkpoint(tmp / "coordinator" / "checkpoints")
     assert checkpoint.config.swarm.mode == "diloco" and checkpoint.epoch >= 3
     momentum = checkpoint.optimizer["state"][0]["momentum_buffer"]
