@@ -103,9 +103,10 @@ def test_the_coordinator_validates_and_resumes_the_outer_state(diloco_run, spawn
     assert len(top1) >= 3 and top1[-1] > top1[0] and max(top1) > 0.7, top1
     with MetricsReader(tmp / "coordinator" / "metrics.sqlite") as store:  # what the dashboard shows of the rounds
         recorded = {row.name: row for row in store.peers()}
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         assert recorded[name].pseudo_gradient_norm > 0 and recorded[name].inner_steps is not None
-        assert recorded[name].round_bytes >= 497_034 * 4  # the demo model's parameters, float32, in a group of 2+
+    # a peer whose last round was averaged sent at least the demo model's parameters, float32 (a group of 2 or more)
+    assert max(recorded[name].round_bytes for name in ("a", "b", "c")) >= 497_034 * 4
     checkpoint = load_checkpoint(tmp / "coordinator" / "checkpoints")
     assert checkpoint.config.swarm.mode == "diloco" and checkpoint.epoch >= 3
     momentum = checkpoint.optimizer["state"][0]["momentum_buffer"]
