@@ -1,0 +1,389 @@
+"""Every record a role reads from the DHT is untrusted input: this module vets them, and is the one place where
+HiveTrain reaches into hivemind's internals to do so.
+
+Anyone who can reach one peer of a run can store anything under any key, and hivemind 1.1.12 leaves these doors open:
+
+- A node checks a record only against the validators it has *at that moment*, and never checks what it already holds
+  when it reads. A joiner adds a key's schema only once it knows the run (hivemind's ProgressTracker adds its own just
+  before its first read), but records reach its node from the moment it joins: every store under a key goes to the
+  nodes nearest to it (in a small swarm, all of them), and Kademlia hands a newly met node the records it is now
+  among the nearest to hold. So a malformed entry under `<run_id>_progress` lands unchecked in a joiner's storage,
+  and ProgressTracker's first read parses it with `LocalTrainingProgress.parse_obj` without a try: the joiner dies
+  with a pydantic ValidationError, for as long as some node holds the entry and hands it on.
+- Expirations have no cap. A plain value (no subkey) under a key whose entries are per-peer subkeys wins every
+  `latest=True` read once it expires later than them, and a node holding it refuses new subkeys under that key: one
+  store with an expiration a year ahead stops hivemind's matchmaking (`<prefix>.0b`) and state downloads
+  (`<prefix>.all_averagers`) for a year.
+- A reader strips anything that looks like a signature from every value's bytes before decoding them; an unsigned
+  entry with such text inside no longer decodes, and hivemind's read of the key never returns (its future is never
+  resolved): ProgressTracker's first read, matchmaking and state downloads hang on it.
+- hivemind's own averaging keys have no schema at all.
+
+Three defences, all here:
+
+1. RecordGuard, a record validator for the run's keys, refuses on arrival what no reader could use: oversized values,
+   expirations beyond a sane horizon, plain values under per-peer keys, entries without a valid owner signature or of
+   the wrong shape. `guard_run_keys` adds it once a process knows its run, and drops from the node's own storage
+   whatever the node took in before it had the guard.
+2. The readers (hivetrain.swarm.read_records, VettedProgressTracker for hivemind's tracker) skip entries they cannot
+   use, one by one, whatever the node let in.
+3. Each skipped record is reported with a rate-limited warning: once per key and reason per WARN_EVERY seconds, with
+   the count of those skipped in between, not one line per read every few seconds.
+
+What this does not stop: a well-formed record, validly signed by its writer's own key, that lies (a peer claiming a
+huge epoch, a run record claiming to come from the coordinator); and hivemind's unsigned averaging entries, which
+anyone may write for any peer ID. Those need signed, bound identities, not shape checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
+from pydantic.v1 import BaseModel
+
+logger = logging.getLogger(__name__)
+
+WARN_EVERY = 60.0  # seconds between two warnings about the same key and reason
+# No record of a run is meant to live long: HiveTrain's expire 30-60 s after their last refresh, hivemind's progress
+# after 60 s, its state-sharing declarations after 30 s, its matchmaking ones at the end of an averaging round. A record
+# that expires further ahead than this pins its key: it is ignored.
+FAR_FUTURE = 600.0  # seconds ahead of now
+MAX_RECORD_BYTES = 64 * 1024  # a run record is about 1 KiB with its signature, a progress or metrics record less
+INT64_MAX = 2**63 - 1  # the metrics store (SQLite) holds no larger integer
+
+_OWNER_KEY = RSASignatureValidator._PUBLIC_KEY_RE  # b"[owner:<public key>]", the subkey of a signed entry
+_SIGNATURE = RSASignatureValidator._SIGNATURE_RE
+# RSASignatureValidator.validate checks a signature with class attributes only; an instance made without __init__
+# (which would load or generate a private key) verifies signatures and can sign nothing.
+_SIGNATURE_CHECK = RSASignatureValidator.__new__(RSASignatureValidator)
+
+
+class RateLimitedWarnings:
+    """Warns about a skipped record once per (key, reason) per `every` seconds; the next warning after a quiet spell
+    says how many were skipped meanwhile. Each process has its own (hivemind validates in the DHT's process). No lock:
+    hivemind forks its processes from threaded ones, and two threads racing here cost at most one extra line."""
+
+    def __init__(self, every: float = WARN_EVERY):
+        self.every = every
+        self._last: dict[tuple[str, str], float] = {}
+        self._unreported: dict[tuple[str, str], int] = {}
+
+    def skipped(self, key: str, reason: str, detail: str = "") -> None:
+        now, which = time.monotonic(), (key, reason)
+        last = self._last.get(which)
+        if last is not None and now - last < self.every:
+            self._unreported[which] = self._unreported.get(which, 0) + 1
+            return
+        self._last[which] = now
+        unreported = self._unreported.pop(which, 0)
+        since = f" ({unreported} more since the last warning)" if unreported else ""
+        logger.warning(f"Skipping a record under {key}: {reason}{f': {detail}' if detail else ''}{since}")
+
+
+skip_warnings = RateLimitedWarnings()
+
+
+def warn_skipped(key: str, reason: str, detail: str = "") -> None:
+    """Report a record under `key` that a reader skipped (rate-limited: see RateLimitedWarnings)."""
+    skip_warnings.skipped(key, reason, detail)
+
+
+def _one_line(error: Exception, limit: int = 300) -> str:
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def parse_entry(schema: type[BaseModel], value: Any) -> tuple[Optional[BaseModel], Optional[str]]:
+    """`value` as a `schema` record, or why it is not one. Beyond the schema, numbers must be usable: finite floats
+    (an infinite rate makes hivemind's ETA NaN), integers that fit in 64 bits (SQLite's limit)."""
+    try:
+        record = schema.parse_obj(value)
+    except Exception as e:  # pydantic's ValidationError, or a TypeError on a value that is not a mapping
+        return None, _one_line(e)
+    for name, field in record.dict().items():
+        if isinstance(field, float) and not math.isfinite(field):
+            return None, f"{name} is {field}"
+        if isinstance(field, int) and not isinstance(field, bool) and abs(field) > INT64_MAX:
+            return None, f"{name} does not fit in 64 bits"
+    return record, None
+
+
+def _expiration_problem(expiration_time: float, now: float) -> Optional[str]:
+    if expiration_time > now + FAR_FUTURE:
+        return f"expires in {(expiration_time - now) / 86400:.1f} days"
+    return None
+
+
+def usable_entries(key: str, value: Any, schema: type[BaseModel]) -> list[tuple[Any, ValueWithExpiration, BaseModel]]:
+    """The entries of a per-peer key as a DHT read returned them (`found.value`), each parsed with `schema`, as
+    (subkey, entry, record). Skipped with a warning: a plain value where per-peer entries belong, an entry whose
+    subkey names no owner key (so nobody signed it), one expiring beyond FAR_FUTURE, one over MAX_RECORD_BYTES, one
+    that does not parse. A reader cannot check signatures (hivemind strips them): RecordGuard does, on arrival.
+    Skipped silently: cleared entries (None: their owner left)."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        warn_skipped(key, "a plain value where per-peer entries belong", type(value).__name__)
+        return []
+    now = get_dht_time()
+    usable = []
+    for subkey, entry in value.items():
+        if not isinstance(entry, ValueWithExpiration):
+            warn_skipped(key, "malformed", f"an entry of type {type(entry).__name__}")
+            continue
+        if entry.value is None:
+            continue
+        if not isinstance(subkey, bytes) or not _OWNER_KEY.search(subkey):
+            warn_skipped(key, "unsigned", "its subkey names no owner key")
+            continue
+        if problem := _expiration_problem(entry.expiration_time, now):
+            warn_skipped(key, "expires too far ahead", problem)
+            continue
+        if (size := len(MSGPackSerializer.dumps(entry.value))) > MAX_RECORD_BYTES:
+            warn_skipped(key, "too large", f"{size} bytes")
+            continue
+        record, problem = parse_entry(schema, entry.value)
+        if problem is not None:
+            warn_skipped(key, "malformed", problem)
+            continue
+        usable.append((subkey, entry, record))
+    return usable
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """What may be stored under one DHT key. `kind`: "signed" (per-peer entries, each in a subkey with its owner's
+    public key, signed by it, a `schema` record or None), "state_sharing" (hivemind's `<prefix>.all_averagers`: peer ID
+    subkeys, a number or None) or "matchmaking" (hivemind's `<prefix>.0b...`: peer ID subkeys, a bool)."""
+
+    key: str
+    kind: str
+    schema: Optional[type[BaseModel]] = None
+
+    def problem(self, record: DHTRecord, now: float) -> Optional[tuple[str, str]]:
+        """Why `record` cannot be used, as (reason, detail), or None when it can."""
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return "a plain value where per-peer entries belong", ""
+        if len(record.value) > MAX_RECORD_BYTES:
+            return "too large", f"{len(record.value)} bytes"
+        if problem := _expiration_problem(record.expiration_time, now):
+            return "expires too far ahead", problem
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception as e:
+            return "malformed", f"undecodable subkey ({_one_line(e, 80)})"
+        if self.kind == "signed":
+            return self._signed_problem(record, subkey)
+        if not _is_peer_id(subkey):
+            return "malformed", "its subkey is not a peer ID"
+        if _SIGNATURE.search(record.value):  # hivemind's entries are unsigned: a signature here is forged text
+            return "malformed", "a signature in an unsigned entry"
+        try:
+            value = MSGPackSerializer.loads(record.value)
+        except Exception as e:
+            return "malformed", f"undecodable value ({_one_line(e, 80)})"
+        if self.kind == "state_sharing":
+            usable = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                       and math.isfinite(value))
+        else:
+            usable = isinstance(value, bool)
+        return None if usable else ("malformed", f"a value of type {type(value).__name__}")
+
+    def _signed_problem(self, record: DHTRecord, subkey: Any) -> Optional[tuple[str, str]]:
+        if not isinstance(subkey, bytes) or not _OWNER_KEY.search(subkey):
+            return "unsigned", "its subkey names no owner key"
+        try:
+            signed = _SIGNATURE_CHECK.validate(record)
+        except Exception:  # a public key that does not load
+            signed = False
+        if not signed:
+            return "bad signature", "not signed by the key its subkey names"
+        try:
+            value = MSGPackSerializer.loads(_SIGNATURE_CHECK.strip_value(record))
+        except Exception as e:
+            return "malformed", f"undecodable value ({_one_line(e, 80)})"
+        if value is None:
+            return None  # its owner cleared it
+        _, problem = parse_entry(self.schema, value)
+        return None if problem is None else ("malformed", problem)
+
+
+def _is_peer_id(subkey: Any) -> bool:
+    # A libp2p peer ID is a multihash: sha256 (0x12) of an RSA key, or the identity hash (0x00) of a short key.
+    return isinstance(subkey, bytes) and len(subkey) > 2 and subkey[0] in (0x00, 0x12) and subkey[1] == len(subkey) - 2
+
+
+class RecordGuard(RecordValidatorBase):
+    """A hivemind record validator that refuses, with a rate-limited warning, records under the guarded keys that a
+    reader could not use (KeyRule.problem). hivemind runs it on every record this node is asked to store and every
+    record another node returns to it; keys without a rule pass."""
+
+    def __init__(self, rules: list[KeyRule]):
+        self.rules = {DHTID.generate(source=rule.key).to_bytes(): rule for rule in rules}
+
+    def validate(self, record: DHTRecord) -> bool:
+        rule = self.rules.get(record.key)
+        if rule is None:
+            return True
+        problem = rule.problem(record, get_dht_time())
+        if problem is None:
+            return True
+        warn_skipped(rule.key, *problem)
+        return False
+
+    @property
+    def priority(self) -> int:
+        # Before RSASignatureValidator (10) and the schema validators (0), which refuse without saying why: the guard
+        # sees the signed value and reports the reason.
+        return 20
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, RecordGuard):
+            return False
+        self.rules.update(other.rules)
+        return True
+
+
+def run_key_rules(run_id: str) -> list[KeyRule]:
+    """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, and
+    the state-sharing declarations and matchmaking key of each of its averagers."""
+    # Imported here: those modules import this one.
+    from hivetrain.swarm import RUN_KEY, _RunRecord
+    from hivetrain.telemetry import PeerRecord, metrics_key, progress_key
+
+    rules = [KeyRule(RUN_KEY, "signed", _RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
+             KeyRule(progress_key(run_id), "signed", LocalTrainingProgress)]
+    # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
+    # hivetrain.diloco.outer_state_prefix, not imported (a joiner imports the training stack in another thread while
+    # this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two agree.
+    # Without a target group size an averager's group key has no bits: its matchmaking key is always `<prefix>.0b`.
+    for prefix in (f"{run_id}_grad_averager", f"{run_id}_state_averager", f"{run_id}_outer"):
+        rules += [KeyRule(f"{prefix}.all_averagers", "state_sharing"), KeyRule(f"{prefix}.0b", "matchmaking")]
+    return rules
+
+
+_added: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHT -> names of the validators added to it
+
+
+def add_validators_once(dht: hivemind.DHT, name: str, validators: list[RecordValidatorBase]) -> bool:
+    """dht.add_validators, once per DHT and `name`; True when added now. hivemind merges a schema validator into the
+    one before it by appending its schema: a reader adding its schema before every read made each refused record cost
+    one failed parse per read done since the process started."""
+    added = _added.setdefault(dht, set())
+    if name in added:
+        return False
+    dht.add_validators(validators)
+    added.add(name)
+    return True
+
+
+def guard_keys(dht: hivemind.DHT, rules: list[KeyRule], timeout: float = 10.0) -> int:
+    """Add a RecordGuard for `rules` to this DHT node, then drop from its storage and cache what its validators now
+    refuse (taken in before it had them). Returns how many records were dropped. Keys already guarded on this DHT
+    are left alone, so readers may call it before every read."""
+    rules = [rule for rule in rules if f"guard {rule.key}" not in _added.get(dht, ())]
+    if not rules:
+        return 0
+    dht.add_validators([RecordGuard(rules)])
+    _added.setdefault(dht, set()).update(f"guard {rule.key}" for rule in rules)
+    key_ids = [DHTID.generate(source=rule.key).to_bytes() for rule in rules]
+    try:
+        return dht.run_coroutine(partial(_drop_refused_records, key_ids), return_future=True).result(timeout=timeout)
+    except Exception as e:  # the DHT is shutting down: nothing left to protect
+        logger.debug(f"Could not clean the DHT node's storage: {type(e).__name__}: {e}")
+        return 0
+
+
+def guard_run_keys(dht: hivemind.DHT, run_id: str) -> int:
+    """guard_keys for every key run `run_id` reads: call it as soon as a process knows its run."""
+    return guard_keys(dht, run_key_rules(run_id))
+
+
+async def _drop_refused_records(key_ids: list[bytes], _dht: hivemind.DHT, node) -> int:
+    """Inside the DHT's process: re-validate what the node holds under `key_ids` with its current validators, and
+    remove what they refuse. A node serves its own storage to its own reads unchecked, and hands it on to the nodes it
+    meets; and a dictionary keeps the expiration of its latest entry, so a far-future one is removed by rebuilding
+    the dictionary without it."""
+    validator, dropped = node.protocol.record_validator, 0
+
+    def valid(record: DHTRecord) -> bool:
+        try:
+            return validator.validate(record)
+        except Exception:  # a validator choking on the record: it cannot be used either
+            return False
+
+    for key_bytes in key_ids:
+        key_id = DHTID.from_bytes(key_bytes)
+        for storage in (node.protocol.storage, node.protocol.cache):
+            held = storage.get(key_id)
+            if held is None:
+                continue
+            if not isinstance(held.value, DictionaryDHTValue):
+                if not valid(DHTRecord(key_bytes, DHTProtocol.IS_REGULAR_VALUE, held.value, held.expiration_time)):
+                    del storage[key_id]
+                    dropped += 1
+                continue
+            kept = DictionaryDHTValue()
+            entries = list(held.value.items())
+            for subkey, (value, expiration_time) in entries:
+                if valid(DHTRecord(key_bytes, DHTProtocol.serializer.dumps(subkey), value, expiration_time)):
+                    kept.store(subkey, value, expiration_time)
+            if len(kept) < len(entries):
+                dropped += len(entries) - len(kept)
+                del storage[key_id]
+                if len(kept):
+                    storage.store(key_id, kept, kept.latest_expiration_time)
+    return dropped
+
+
+def usable_progress(key: str, metadata: Any) -> dict:
+    """hivemind's progress entries (a DHT read of `<run_id>_progress`) without those usable_entries skips."""
+    return {subkey: entry for subkey, entry, _ in usable_entries(key, metadata, LocalTrainingProgress)}
+
+
+@functools.cache
+def vetted(tracker_class: type[ProgressTracker]) -> type[ProgressTracker]:
+    """`tracker_class` (hivemind's ProgressTracker or a subclass) reading only usable progress entries: its own
+    `_parse_swarm_progress_data` (which parses each entry without a try, and runs in the constructor) gets the swarm's
+    progress with the unusable entries removed, each reported by a rate-limited warning."""
+
+    class Vetted(tracker_class):
+        def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
+            return super()._parse_swarm_progress_data(usable_progress(self.training_progress_key, metadata))
+
+    Vetted.__name__ = Vetted.__qualname__ = f"Vetted{tracker_class.__name__}"
+    Vetted.__doc__ = f"{tracker_class.__name__} that skips unusable progress entries (hivetrain.record_guard.vetted)."
+    return Vetted
+
+
+VettedProgressTracker = vetted(ProgressTracker)
+
+
+def make_vetted_progress_tracker(optimizer: hivemind.Optimizer, target_batch_size: int, **kwargs) -> ProgressTracker:
+    """hivemind.Optimizer._make_progress_tracker, building a VettedProgressTracker. hivemind.Optimizer builds its
+    tracker in this factory method only; a subclass plugs this one in with `_make_progress_tracker =
+    make_vetted_progress_tracker` in its body."""
+    return VettedProgressTracker(
+        dht=optimizer.dht,
+        prefix=optimizer.run_id,
+        target_batch_size=target_batch_size,
+        client_mode=optimizer.client_mode,
+        status_loglevel=optimizer.status_loglevel,
+        start=True,
+        **kwargs,
+    )
