@@ -199,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.metrics_store import MetricsWriter, StoreError
     from hivetrain.access import RunAuthorizer, issue_grant, load_authority
     from hivetrain.reachability import serve_dial_back
+    from hivetrain.record_guard import guard_run_keys
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, start_dht
 
     # Everything that can be refused is checked before the run is touched: the checkpoint to resume, the store, the
@@ -244,6 +245,8 @@ def _run(args: argparse.Namespace) -> int:
             identity_path=str(identity), authorizer=authorizer,
         ))
         resources.append(dht)
+        # Before anything is published or read: this node refuses records of the run's keys that no reader could use.
+        guard_run_keys(dht, config.run_id)
         dht.run_coroutine(serve_dial_back)  # joiners ask whether the swarm can dial them (--client-mode auto)
         return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir)
     except (SwarmError, StoreError, CheckpointError, DatasetUnavailable, ValueError) as e:

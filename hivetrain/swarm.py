@@ -25,6 +25,8 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
 from hivetrain.config import RunConfig
+from hivetrain.record_guard import (KeyRule, add_validators_once, guard_keys, guard_run_keys, usable_entries,
+                                    warn_skipped)
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +316,7 @@ def fetch_run_config(
     while True:
         records = _read_run_records(dht)
         if run_id is not None:
-            records = [r for r in records if r.run_id == run_id]
+            records = [(r, c) for r, c in records if r.run_id == run_id]
         if records:
             break
         if time.monotonic() > deadline:
@@ -325,44 +327,49 @@ def fetch_run_config(
             )
         time.sleep(0.5)
     named_ids = {part for addr in initial_peers for part in addr.split("/p2p/")[1:]}
-    records.sort(key=lambda r: (r.coordinator in named_ids, r.time), reverse=True)
-    run_ids = sorted({r.run_id for r in records})
-    if run_id is None and len(run_ids) > 1 and records[0].coordinator not in named_ids:
+    records.sort(key=lambda rc: (rc[0].coordinator in named_ids, rc[0].time), reverse=True)
+    run_ids = sorted({r.run_id for r, _ in records})
+    newest, config = records[0]
+    if run_id is None and len(run_ids) > 1 and newest.coordinator not in named_ids:
         raise SwarmError(f"the swarm holds several runs ({', '.join(run_ids)}): choose one with --run-id")
-    config = RunConfig.from_json(records[0].config)
-    if config.fingerprint != records[0].fingerprint:
-        raise SwarmError("the published run configuration does not match its fingerprint")
+    # From here on this node refuses what the run's readers could not use, and forgets what it took in before.
+    guard_run_keys(dht, config.run_id)
     return config
 
 
 def _add_run_record_validators(dht: hivemind.DHT) -> None:
     # The signature validator signs what this process stores and strips signatures from what it reads. hivemind
     # keeps the first one a DHT gets (and merges later ones into it): a process signs all its records with one key.
-    dht.add_validators([SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
+    add_validators_once(dht, "run record schema",
+                        [SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
+    guard_keys(dht, [KeyRule(RUN_KEY, "signed", _RunRecord)])
 
 
-def _read_run_records(dht: hivemind.DHT) -> list[_RunRecord]:
+def _read_run_records(dht: hivemind.DHT) -> list[tuple[_RunRecord, RunConfig]]:
+    """The run records in the swarm with their configurations; a record whose configuration does not load, or does
+    not match its fingerprint and run, is skipped with a warning."""
     _add_run_record_validators(dht)
-    return read_records(dht, RUN_KEY, _RunRecord)
+    usable = []
+    for record in read_records(dht, RUN_KEY, _RunRecord):
+        try:
+            config = RunConfig.from_json(record.config)
+        except Exception as e:  # JSON, or a field RunConfig refuses
+            warn_skipped(RUN_KEY, "malformed", f"its configuration does not load ({type(e).__name__}: {e})")
+            continue
+        if (config.fingerprint, config.run_id) != (record.fingerprint, record.run_id):
+            warn_skipped(RUN_KEY, "malformed", "its configuration does not match its fingerprint and run")
+            continue
+        usable.append((record, config))
+    return usable
 
 
 def read_records(dht: hivemind.DHT, key: str, schema: type[Record], timeout: float = DHT_READ_TIMEOUT) -> list[Record]:
-    """Every live entry under a DHT key with subkeys, each parsed with `schema`. A malformed entry is skipped with a
-    warning, a cleared one (None: its owner left) silently: nothing a peer wrote stops the reader."""
+    """Every live entry under a DHT key with subkeys, each parsed with `schema`. What a reader cannot use (a malformed
+    or unsigned entry, one expiring far ahead, a plain value in place of the entries) is skipped with a rate-limited
+    warning, a cleared entry (None: its owner left) silently: nothing a peer wrote stops the reader."""
     try:  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
         found = dht.get(key, latest=True, return_future=True).result(timeout=timeout)
     except TimeoutError:
         logger.warning(f"Reading {key} from the DHT timed out")
         return []
-    if found is None or not isinstance(found.value, dict):
-        return []
-    records = []
-    for entry in found.value.values():
-        value = getattr(entry, "value", None)
-        if value is None:
-            continue
-        try:
-            records.append(schema.parse_obj(value))
-        except Exception as e:
-            logger.warning(f"Skipping a malformed record under {key}: {' '.join(str(e).split())}")
-    return records
+    return [record for _, _, record in usable_entries(key, found.value if found is not None else None, schema)]

@@ -2,8 +2,9 @@
 
 Each peer stores one record under the run's metrics key `{run_id}_metrics`, in a subkey that is its public key: the
 record is signed, so no peer can overwrite another's, and it expires unless the peer refreshes it. hivemind's own
-progress records (`{run_id}_progress`) are read beside them. Every record is schema-checked on read; a malformed one
-is skipped with a warning and never stops the reader.
+progress records (`{run_id}_progress`) are read beside them. Both keys are untrusted input (hivetrain.record_guard):
+a record a reader cannot use is refused by this node or skipped on read, with a rate-limited warning, and never stops
+the reader.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint
 
+from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_records
 
 logger = logging.getLogger(__name__)
@@ -60,10 +62,18 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
+def progress_key(run_id: str) -> str:
+    """hivemind's ProgressTracker's key (its prefix is the run id)."""
+    return f"{run_id}_progress"
+
+
 def _add_validators(dht: hivemind.DHT, run_id: str) -> None:
     # The signature validator signs what this process stores and strips signatures from what it reads (hivemind keeps
     # the first one a DHT gets: a process signs all its records with one key). Schemas merge by key.
-    dht.add_validators([SchemaValidator(_MetricsSchema, allow_extra_keys=True, prefix=run_id), RSASignatureValidator()])
+    schema = SchemaValidator(_MetricsSchema, allow_extra_keys=True, prefix=run_id)
+    add_validators_once(dht, f"metrics schema {run_id}", [schema, RSASignatureValidator()])
+    guard_keys(dht, [KeyRule(metrics_key(run_id), "signed", PeerRecord),
+                     KeyRule(progress_key(run_id), "signed", LocalTrainingProgress)])
 
 
 def publish_peer_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl: float = PEER_RECORD_TTL,
@@ -85,7 +95,8 @@ def read_peer_records(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
 
 
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
-    records = read_records(dht, f"{run_id}_progress", LocalTrainingProgress)
+    _add_validators(dht, run_id)
+    records = read_records(dht, progress_key(run_id), LocalTrainingProgress)
     epoch = max((r.epoch for r in records), default=0)
     return ProgressSummary(
         epoch=epoch,
