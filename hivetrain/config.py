@@ -175,14 +175,20 @@ PRESETS: dict[str, RunConfig] = {
         swarm=SwarmConfig(target_batch_size=64, matchmaking_time=3.0, averaging_timeout=60.0),
         batch_size=16,
     ),
-    # The mission: pretrained ViT-B/32 fine-tuned on CIFAR-10 at 224 px, 25 passes over the training set.
+    # The mission: pretrained ViT-B/32 fine-tuned on CIFAR-10 at 224 px by volunteers on 10-100 Mbit/s links, in
+    # DiLoCo rounds: a sync swarm moves the 88M parameters' gradients at every step (tens of seconds per step on such
+    # a link); the links benchmark (logbook/benchmarks.md) measured diloco well ahead of sync and DDP on every link, at
+    # a fiftieth of sync's bytes per trained sample. H = 500 inner steps as in the DiLoCo paper (minutes of GPU time
+    # per round, against a round of 176 MB each way in fp16); the schedule counts a peer's inner steps: 5,000 are 25
+    # passes over the training set for 4 volunteers at batch 64.
     "cifar10-vit-b32": RunConfig(
         run_id="hivetrain-cifar10-vit-b32",
         preset="cifar10-vit-b32",
         model=ModelConfig(name="vit_base_patch32_224", img_size=224, num_classes=10, pretrained=True),
         data=DataConfig(dataset="cifar10", augment=True),
-        optim=OptimConfig(lr=1e-4, weight_decay=0.05, warmup_steps=50, total_steps=25 * 50_000 // 1024),
-        swarm=SwarmConfig(target_batch_size=1024, matchmaking_time=5.0, averaging_timeout=60.0),
+        optim=OptimConfig(lr=1e-4, weight_decay=0.05, warmup_steps=100, total_steps=5000),
+        swarm=SwarmConfig(target_batch_size=1024, matchmaking_time=5.0, averaging_timeout=300.0, mode="diloco",
+                          inner_steps=500, grad_compression="fp16", state_compression="fp16"),
         batch_size=64,
     ),
 }

@@ -195,7 +195,7 @@ class DiLoCoRounds:
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
                  private_key: Optional[RSAPrivateKey] = None):
         self.parameters = list(parameters)
-        self.inner_steps, self.batch_size = inner_steps, batch_size
+        self.inner_steps = inner_steps
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.outer = OuterState(
             self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
@@ -206,6 +206,7 @@ class DiLoCoRounds:
         self.tracker = RoundTracker(dht, run_id, samples_per_peer=inner_steps * batch_size, private_key=private_key,
                                     start=True)
         self.samples = 0  # trained since the last round
+        self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.swarm_seconds = 0.0
         self.rounds_averaged = self.rounds_alone = self.rounds_failed = 0
 
@@ -217,9 +218,6 @@ class DiLoCoRounds:
     def num_peers(self) -> int:
         return self.tracker.global_progress.num_peers
 
-    @property
-    def inner_steps_since_round(self) -> int:
-        return self.samples // self.batch_size
 
     def load_state_from_peers(self) -> bool:
         """Take the swarm's newest outer state, and start the next inner steps from it."""
@@ -227,7 +225,7 @@ class DiLoCoRounds:
         try:
             loaded = self.outer.load_from_peers(timeout=self.load_state_timeout)
             self.outer.copy_to(self.parameters)
-            self.samples = 0
+            self.samples = self.inner_steps_since_round = 0
             with self.tracker.pause_updates():
                 self.tracker.update_epoch(self.outer.round)
             self.outer.state_sharing_priority = self.outer.round
@@ -242,10 +240,11 @@ class DiLoCoRounds:
         if not finite:
             logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
             self.outer.copy_to(self.parameters)
-            self.samples = 0
+            self.samples = self.inner_steps_since_round = 0
             self.tracker.report_local_progress(self.outer.round, 0)
             return True
         self.samples += samples
+        self.inner_steps_since_round += 1
         self.tracker.report_local_progress(self.outer.round, self.samples)
         if self.tracker.global_epoch > self.outer.round:
             logger.warning(f"Missed outer round {self.outer.round}: loading the swarm's state")
@@ -277,7 +276,7 @@ class DiLoCoRounds:
                 result = self.outer.outer_step(self.parameters, weight=float(self.samples),
                                                timeout=self.averaging_timeout if others else None)
                 self.outer.copy_to(self.parameters)
-                self.samples = 0
+                self.samples = self.inner_steps_since_round = 0
                 self.tracker.update_epoch(self.outer.round)
             self.outer.state_sharing_priority = self.outer.round  # joiners ask the peers with the newest round first
         finally:
