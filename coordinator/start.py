@@ -306,12 +306,20 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         validation = threading.Thread(target=validator.run, args=(stop,), name="validator", daemon=True)
     try:
         next_publish = next_refresh = 0.0
+        refused, next_refusal_warning = 0, 0.0
         while True:
             now = time.monotonic()
             if now >= next_publish:
                 # Refresh well before the record expires, so a joiner always finds it.
                 if not publish_run_config(dht, config):
-                    logging.warning("Could not store the run's configuration in the DHT; retrying")
+                    # hivemind answers for the node that replied last, and a node pinned by a hostile plain value
+                    # under the run key refuses every store while the others take it: say so once a minute, not at
+                    # every refresh for as long as the value lives.
+                    refused += 1
+                    if now >= next_refusal_warning:
+                        logging.warning(f"A DHT node refused the run's configuration ({refused} time(s) in the last"
+                                        f" minute; others may hold it); retrying")
+                        refused, next_refusal_warning = 0, now + 60.0
                 next_publish = now + RUN_RECORD_TTL / 3
             if now >= next_refresh:
                 looked = time.perf_counter()
