@@ -23,6 +23,7 @@ from hivetrain.diloco import OuterState, outer_state_prefix
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
+from hivetrain.swarm import keeping_sigint
 
 logger = logging.getLogger(__name__)
 
@@ -44,19 +45,20 @@ class StateHolder:
         # The same parameter groups, optimizer and schedule as every peer (hivetrain.module), so the state's tensors
         # line up one to one with theirs.
         param_groups, make_inner, make_scheduler = optimizer_recipe(*make_optimizer(self.model, config.optim))
-        self.averager = TrainingStateAverager(
-            dht=dht,
-            prefix=f"{config.run_id}_state_averager",  # the key hivemind.Optimizer's state averager uses
-            optimizer=make_inner,
-            params=param_groups,
-            scheduler=make_scheduler,
-            offload_optimizer=True,
-            custom_gradients=True,
-            state_compression=COMPRESSION[config.swarm.state_compression](),
-            next_chunk_timeout=config.swarm.next_chunk_timeout,
-            allow_state_sharing=False,
-            start=True,
-        )
+        with keeping_sigint():
+            self.averager = TrainingStateAverager(
+                dht=dht,
+                prefix=f"{config.run_id}_state_averager",  # the key hivemind.Optimizer's state averager uses
+                optimizer=make_inner,
+                params=param_groups,
+                scheduler=make_scheduler,
+                offload_optimizer=True,
+                custom_gradients=True,
+                state_compression=COMPRESSION[config.swarm.state_compression](),
+                next_chunk_timeout=config.swarm.next_chunk_timeout,
+                allow_state_sharing=False,
+                start=True,
+            )
         if resume is not None:
             self._restore(resume)
 

@@ -28,6 +28,9 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 
+from hivetrain.record_guard import vetted
+from hivetrain.swarm import keeping_sigint
+
 logger = logging.getLogger(__name__)
 
 
@@ -74,8 +77,9 @@ class OuterState(DecentralizedAverager):
         # peer's alone, and a joiner must not download it.
         self.round_lock = threading.Lock()
         # The averaged tensors are the outer parameters themselves (hivemind moves them to shared memory in place).
-        super().__init__(averaged_tensors=self.outer_parameters, dht=dht, prefix=prefix, compression=compression,
-                         state_compression=state_compression, start=True, **kwargs)
+        with keeping_sigint():
+            super().__init__(averaged_tensors=self.outer_parameters, dht=dht, prefix=prefix, compression=compression,
+                             state_compression=state_compression, start=True, **kwargs)
 
     def _state_tensors(self) -> list[torch.Tensor]:
         return [*self.outer_parameters, *self.momentum]
@@ -203,8 +207,9 @@ class DiLoCoRounds:
             # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
             request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
         )
-        self.tracker = RoundTracker(dht, run_id, samples_per_peer=inner_steps * batch_size, private_key=private_key,
-                                    start=True)
+        # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
+        self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
+                                            private_key=private_key, start=True)
         self.samples = 0  # trained since the last round
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.swarm_seconds = 0.0

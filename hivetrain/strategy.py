@@ -32,7 +32,8 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from hivetrain.diloco import DiLoCoRounds
-from hivetrain.swarm import DHTOptions, start_dht
+from hivetrain.record_guard import make_vetted_progress_tracker
+from hivetrain.swarm import DHTOptions, keeping_sigint, start_dht
 
 logger = logging.getLogger(__name__)
 
@@ -477,6 +478,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     swarm_seconds = 0.0
+    _make_progress_tracker = make_vetted_progress_tracker  # progress entries anyone wrote are untrusted input
 
     def _make_gradient_averager(self, factory, **kwargs):
         kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
@@ -583,7 +585,15 @@ def wrap_optimizer(
     process need one each)."""
     param_groups, make_optimizer, make_scheduler = optimizer_recipe(optimizer, scheduler)
     initial_parameters = [param.detach().clone() for group in param_groups for param in group["params"]]
-    swarm_optimizer = SwarmOptimizer(
+    with keeping_sigint():
+        swarm_optimizer = _swarm_optimizer(options, dht, make_optimizer, param_groups, make_scheduler, private_key)
+    _undo_virtual_step(swarm_optimizer, initial_parameters)
+    return swarm_optimizer
+
+
+def _swarm_optimizer(options: HivemindOptions, dht: hivemind.DHT, make_optimizer, param_groups, make_scheduler,
+                     private_key: Optional[RSAPrivateKey]) -> SwarmOptimizer:
+    return SwarmOptimizer(
         dht=dht,
         run_id=options.run_id,
         target_batch_size=options.target_batch_size,
@@ -610,8 +620,6 @@ def wrap_optimizer(
         tracker_opts=dict(private_key=private_key) if private_key is not None else None,
         verbose=options.verbose,
     )
-    _undo_virtual_step(swarm_optimizer, initial_parameters)
-    return swarm_optimizer
 
 
 def _undo_virtual_step(swarm_optimizer: hivemind.Optimizer, initial_parameters: list[torch.Tensor]) -> None:

@@ -4,6 +4,7 @@ others can dial, and the run's manifest published in the DHT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
@@ -15,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
@@ -153,6 +154,19 @@ def raise_if_leaving() -> None:
     lands in a fork hook or a finalizer (a DHT or averager starting its process), so long loops call this."""
     if _leaving.is_set():
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def keeping_sigint() -> Iterator[None]:
+    """Start hivemind averagers inside this: DecentralizedAverager.run_in_background sets SIGINT to "ignore" in the
+    process that starts it (meant for its own process), after which Ctrl-C would no longer stop a peer or the
+    coordinator. Whatever handled SIGINT before is put back."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        if handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
 
 
 def run_role(work: Callable[[], int], farewell: str) -> int:

@@ -1,5 +1,6 @@
 """Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
 
+import signal
 import time
 
 import pytest
@@ -114,3 +115,15 @@ def test_target_batch_below_the_step_batch_is_refused(spawn, tmp_path):
                         "0", "--log-dir", str(tmp_path / "run"), "--target-batch-size", "8")
     assert_clean_error(coordinator, coordinator.wait(timeout=60),
                        r"--target-batch-size 8 is below the run.s per-step batch \(32\)")
+
+
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_ctrl_c_leaves_the_swarm(spawn, tmp_path, mode):
+    """Ctrl-C (SIGINT) stops a training peer cleanly in either mode: hivemind's averagers set SIGINT to "ignore" in the
+    process that starts them, and the peer puts its handler back."""
+    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", mode, "--validate-every", "0")
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
+    peer.wait_for(r"^First local step done", timeout=120)
+    peer.popen.send_signal(signal.SIGINT)  # the peer's own process, as a terminal's Ctrl-C reaches it
+    assert peer.wait(timeout=60) == 0
+    assert any(line == "Left the swarm." for line in peer.lines), peer.lines[-20:]
