@@ -122,7 +122,13 @@ def test_ctrl_c_leaves_the_swarm(spawn, tmp_path, mode):
     """Ctrl-C (SIGINT) stops a training peer cleanly in either mode: hivemind's averagers set SIGINT to "ignore" in the
     process that starts them, and the peer puts its handler back."""
     _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", mode, "--validate-every", "0")
-    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
+    # Started as from a terminal: a test run launched in the background (`make test &`, nohup) ignores SIGINT, and
+    # its children would inherit that; a handler in this process becomes the default one in the child.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
+    finally:
+        signal.signal(signal.SIGINT, before)
     peer.wait_for(r"^First local step done", timeout=120)
     peer.popen.send_signal(signal.SIGINT)  # the peer's own process, as a terminal's Ctrl-C reaches it
     assert peer.wait(timeout=60) == 0
