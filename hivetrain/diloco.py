@@ -199,7 +199,6 @@ class DiLoCoRounds:
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
                  private_key: Optional[RSAPrivateKey] = None):
         self.parameters = list(parameters)
-        self.inner_steps = inner_steps
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.outer = OuterState(
             self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
