@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="how parameters and optimizer state travel (averaging and joiners' downloads)")
     swarm.add_argument("--average-state-every", type=int, default=None, metavar="EPOCHS",
                        help="swarm epochs between parameter and optimizer-state averaging rounds")
+    schedule = parser.add_argument_group("learning-rate schedule (published to every peer; default: the preset's)")
+    schedule.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                          help="optimizer steps of linear warmup: swarm epochs (sync) or a peer's inner steps (diloco)")
+    schedule.add_argument("--total-steps", type=int, default=None, metavar="N",
+                          help="optimizer steps after which the cosine schedule reaches its floor, counted the same way")
     watch = parser.add_argument_group("monitoring and validation")
     watch.add_argument("--refresh", type=float, default=10.0, help="seconds between looks at the swarm (default: %(default)s)")
     watch.add_argument("--log-dir", default=None, metavar="DIR",
@@ -108,11 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--outer-momentum must be in [0, 1)")
     if args.matchmaking_time is not None and args.matchmaking_time <= 0:
         parser.error("--matchmaking-time must be positive")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        parser.error("--warmup-steps must be 0 or more")
+    if args.total_steps is not None and args.total_steps < 1:
+        parser.error("--total-steps must be at least 1")
     return args
 
 
 def run_config(args: argparse.Namespace):
-    """The preset, renamed and with the swarm settings given on the command line."""
+    """The preset, renamed and with the swarm and schedule settings given on the command line."""
     from hivetrain.config import get_preset
 
     config = get_preset(args.preset)
@@ -126,7 +135,11 @@ def run_config(args: argparse.Namespace):
     if overrides.get("target_batch_size", config.batch_size) < config.batch_size:
         raise ValueError(f"--target-batch-size {args.target_batch_size} is below the run's per-step batch"
                          f" ({config.batch_size}): one local step would already overshoot a swarm epoch")
-    return config.replace(swarm=dataclasses.replace(config.swarm, **overrides)) if overrides else config
+    if overrides:
+        config = config.replace(swarm=dataclasses.replace(config.swarm, **overrides))
+    schedule = {key: value for key, value in dict(warmup_steps=args.warmup_steps, total_steps=args.total_steps).items()
+                if value is not None}
+    return config.replace(optim=dataclasses.replace(config.optim, **schedule)) if schedule else config
 
 
 def status_line(snapshot, looked_seconds: float) -> str:

@@ -239,12 +239,12 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
 
 THROUGHPUT_PRESET = "digits-vit-tiny"  # ViT-Tiny at 32 px: as much compute per sample as plain hivemind was measured on
 # sync: target batch as a multiple of the per-step batch and swarm epochs between state averaging rounds; diloco: inner
-# steps per round (about 1 s each here, so a round every half minute and several in the window); seconds of training
+# steps per round (about 1 s each here, so a round a minute and four in the window); seconds of training
 THROUGHPUT_SWARMS = (dict(mode="sync", multiple=4, state_every=1, seconds=75),
                      dict(mode="sync", multiple=8, state_every=1, seconds=75),
                      dict(mode="sync", multiple=8, state_every=10, seconds=90),
                      dict(mode="sync", multiple=32, state_every=1, seconds=150),
-                     dict(mode="diloco", inner_steps=30, seconds=180))
+                     dict(mode="diloco", inner_steps=60, seconds=240))
 
 
 def throughput_suite(work: Path, smoke: bool) -> dict:
@@ -484,11 +484,15 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
     # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
-    # r x H x batch x 2 samples.
+    # r x H x batch x 2 samples. Its schedule counts a peer's inner steps: stretched by target batch / (2 x batch),
+    # it gives the learning rate the others have at the same samples seen.
     round_samples = CONVERGENCE_INNER_STEPS * batch * 2
     rounds = single["train_samples"] // round_samples
+    stretch = global_batch // (2 * batch)
     run_swarm(work, "conv-diloco", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
-                                       "--inner-steps", str(CONVERGENCE_INNER_STEPS)], [],
+                                       "--inner-steps", str(CONVERGENCE_INNER_STEPS),
+                                       "--warmup-steps", str(config.optim.warmup_steps * stretch),
+                                       "--total-steps", str(config.optim.total_steps * stretch)], [],
               timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= rounds)
     with MetricsReader(work / "conv-diloco" / "metrics.sqlite") as store:
         curves["diloco"] = [(row.epoch * round_samples, row.top1) for row in store.validations()]
@@ -821,9 +825,10 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
         final_samples, final_ddp = curves["DDP"][-1]
         reached = at(curves["diloco"], final_samples)
         gap = final_ddp - float(reached) if reached else None
-        diloco = (f" diloco: 2 peers, {result['inner_steps']} inner steps of 32 per round, the preset's schedule"
-                  " counted in inner steps (so it reaches its floor after half the samples); round r is plotted at r x"
-                  f" {result['inner_steps']} x 32 x 2 samples.")
+        diloco = (f" diloco: 2 peers, {result['inner_steps']} inner steps of 32 per round; its schedule counts a"
+                  " peer's inner steps, so warmup and total steps are the preset's times target batch / (2 x 32), the"
+                  f" same learning rate at the same samples seen; round r is plotted at r x {result['inner_steps']} x 32"
+                  " x 2 samples.")
         verdict = ("\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen. "
                    + (_verdict(gap <= 0.01, f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples")
                       if gap is not None else "**Not met** (diloco was not validated by then)."))

@@ -33,7 +33,7 @@ class OptimConfig:
     lr: float
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 10  # optimizer steps (swarm epochs in a swarm) of linear warmup
+    warmup_steps: int = 10  # optimizer steps of linear warmup: swarm epochs (sync swarm), inner steps (diloco)
     total_steps: int = 1000  # optimizer steps after which the cosine schedule reaches its floor
     min_lr_ratio: float = 0.1  # the cosine floor, as a fraction of lr
 

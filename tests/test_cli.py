@@ -108,6 +108,10 @@ def test_swarm_settings_change_the_published_run_config():
     assert config.swarm.state_compression == preset.swarm.state_compression and config.model == preset.model
     assert config.fingerprint != preset.fingerprint  # a peer holding the plain preset refuses this run
     assert run_config(parse_args(["--preset", "demo"])) == preset
+    scheduled = run_config(parse_args(["--preset", "demo", "--warmup-steps", "10", "--total-steps", "120"]))
+    assert (scheduled.optim.warmup_steps, scheduled.optim.total_steps) == (10, 120)
+    assert scheduled.optim.lr == preset.optim.lr and scheduled.swarm == preset.swarm
+    assert scheduled.fingerprint != preset.fingerprint
 
 
 def test_target_batch_below_the_step_batch_is_refused(spawn, tmp_path):
