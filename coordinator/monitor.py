@@ -38,7 +38,8 @@ class SwarmMonitor:
             PeerRow(peer_id=r.peer_id, name=r.name, hardware=r.hardware, client_mode=r.client_mode, epoch=r.epoch,
                     samples_per_second=r.samples_per_second, loss=r.loss, samples=r.samples,
                     first_seen=min(r.time, now), last_seen=r.time, inner_steps=r.inner_steps,
-                    pseudo_gradient_norm=r.pseudo_gradient_norm, round_bytes=r.round_bytes)
+                    pseudo_gradient_norm=r.pseudo_gradient_norm, round_bytes=r.round_bytes,
+                    train_seconds=r.train_seconds, swarm_seconds=r.swarm_seconds)
             for r in records
         ])
         # hivemind's records carry each peer's throughput as its optimizer measures it; ours back them up while a

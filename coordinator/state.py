@@ -23,7 +23,7 @@ from hivetrain.diloco import OuterState, outer_state_prefix
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
-from hivetrain.swarm import keeping_sigint
+from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class StateHolder:
                 state_compression=COMPRESSION[config.swarm.state_compression](),
                 next_chunk_timeout=config.swarm.next_chunk_timeout,
                 allow_state_sharing=False,
+                declare_state_period=RECORD_LIFETIME,
                 start=True,
             )
         if resume is not None:
@@ -99,6 +100,8 @@ class StateHolder:
                                      self.averager.scheduler)
 
     def shutdown(self) -> None:
+        if self.has_state:  # joiners stop asking the coordinator at once
+            withdraw_records(self.averager.dht, None, [self.averager])
         self.averager.shutdown()
 
 
@@ -117,7 +120,7 @@ class OuterStateHolder:
         self.outer = OuterState(
             list(self.model.parameters()), dht, outer_state_prefix(config.run_id), swarm.outer_lr, swarm.outer_momentum,
             state_compression=COMPRESSION[swarm.state_compression](), next_chunk_timeout=swarm.next_chunk_timeout,
-            allow_state_sharing=False,
+            allow_state_sharing=False, declare_state_period=RECORD_LIFETIME,
         )
         if resume is not None:  # the weights went into the outer parameters above; the momentum and round follow
             state = (resume.optimizer or {}).get("state", {})
@@ -151,4 +154,6 @@ class OuterStateHolder:
         return Checkpoint.from_model(self.model, self.config, self.epoch, metrics, self.outer.outer_optimizer)
 
     def shutdown(self) -> None:
+        if self.has_state:  # joiners stop asking the coordinator at once
+            withdraw_records(self.outer.dht, None, [self.outer])
         self.outer.shutdown()

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # 120 s it may only be slow to reach (a busy machine, the coordinator's own polling), after that it has left.
 ONLINE_S = 30
 STALE_S = 120
-PEER_COLUMNS = ["name", "peer", "hardware", "client mode", "samples/s", "contributed", "last seen", "last seen (UTC)",
-                "state"]
+PEER_COLUMNS = ["name", "peer", "hardware", "client mode", "samples/s", "contributed", "in swarm rounds", "last seen",
+                "last seen (UTC)", "state"]
 DILOCO_COLUMNS = ["inner steps", "pseudo-gradient norm", "MB per round"]  # what diloco peers report besides
 
 
@@ -91,10 +91,16 @@ def is_diloco(config_json: str) -> bool:
 def peer_rows(peers: list[PeerRow], now: float) -> list[dict]:
     return [{"name": p.name, "peer": p.peer_id[:8] + "…", "hardware": p.hardware,
              "client mode": "yes" if p.client_mode else "no", "samples/s": round(p.samples_per_second, 1),
-             "contributed": p.samples, "last seen": ago(now - p.last_seen), "last seen (UTC)": utc(p.last_seen),
+             "contributed": p.samples, "in swarm rounds": _share(p.swarm_seconds, p.train_seconds),
+             "last seen": ago(now - p.last_seen), "last seen (UTC)": utc(p.last_seen),
              "state": peer_state(p.last_seen, now), "inner steps": p.inner_steps,
              "pseudo-gradient norm": None if p.pseudo_gradient_norm is None else round(p.pseudo_gradient_norm, 4),
              "MB per round": None if p.round_bytes is None else round(p.round_bytes / 1e6, 1)} for p in peers]
+
+
+def _share(part: float | None, whole: float | None) -> str | None:
+    """The share of a peer's training time spent in swarm rounds and state downloads, e.g. "7%"."""
+    return f"{part / whole:.0%}" if part is not None and whole else None
 
 
 def leaderboard(peers: list[PeerRow]) -> list[dict]:

@@ -462,7 +462,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     """Validation top-1 against samples seen for single, DDP and a 2-peer swarm of the demo preset: the same initial
     weights, data, LR schedule and samples per optimizer step (the swarm's target batch; the baselines accumulate to
     it), validated on the whole validation split."""
-    from hivetrain.config import get_preset
+    from hivetrain.config import diloco_schedule_flags, get_preset
     from hivetrain.metrics_store import MetricsReader
 
     config = get_preset("demo")
@@ -484,15 +484,12 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
     # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
-    # r x H x batch x 2 samples. Its schedule counts a peer's inner steps: stretched by target batch / (2 x batch),
-    # it gives the learning rate the others have at the same samples seen.
+    # r x H x batch x 2 samples, with the others' learning rate at the same samples seen.
     round_samples = CONVERGENCE_INNER_STEPS * batch * 2
     rounds = single["train_samples"] // round_samples
-    stretch = global_batch // (2 * batch)
     run_swarm(work, "conv-diloco", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
                                        "--inner-steps", str(CONVERGENCE_INNER_STEPS),
-                                       "--warmup-steps", str(config.optim.warmup_steps * stretch),
-                                       "--total-steps", str(config.optim.total_steps * stretch)], [],
+                                       *diloco_schedule_flags(config, peers=2)], [],
               timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= rounds)
     with MetricsReader(work / "conv-diloco" / "metrics.sqlite") as store:
         curves["diloco"] = [(row.epoch * round_samples, row.top1) for row in store.validations()]

@@ -200,3 +200,12 @@ def get_preset(name: str) -> RunConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+def diloco_schedule_flags(config: RunConfig, peers: int) -> list[str]:
+    """Coordinator flags that give a diloco run of `peers` peers the preset's learning rate at the same samples seen.
+    A preset's schedule counts optimizer steps of target_batch_size samples; diloco's counts a peer's inner steps of
+    batch_size samples, peers of them at a time, so warmup and total steps stretch by target batch / (peers x batch)."""
+    stretch = max(1, round(config.swarm.target_batch_size / (peers * config.batch_size)))
+    return ["--warmup-steps", str(config.optim.warmup_steps * stretch),
+            "--total-steps", str(config.optim.total_steps * stretch)]

@@ -29,7 +29,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.record_guard import vetted
-from hivetrain.swarm import keeping_sigint
+from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +205,11 @@ class DiLoCoRounds:
             state_compression=state_compression, min_matchmaking_time=matchmaking_time,
             # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
             request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
+            declare_state_period=RECORD_LIFETIME,
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
-                                            private_key=private_key, start=True)
+                                            metadata_expiration=RECORD_LIFETIME, private_key=private_key, start=True)
         self.samples = 0  # trained since the last round
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.swarm_seconds = 0.0
@@ -296,5 +297,7 @@ class DiLoCoRounds:
             logger.info(f"Outer round {round_}: alone")
 
     def shutdown(self) -> None:
+        """Leave: withdraw this peer's records (the others stop counting it at once), then stop."""
+        withdraw_records(self.outer.dht, self.tracker, [self.outer])
         self.tracker.shutdown()
         self.outer.shutdown()

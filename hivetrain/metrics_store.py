@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Iterator, Self, TextIO, TypeVar
 from urllib.parse import quote
 
-SCHEMA_VERSION = 2  # 2: the peers' diloco figures (inner steps, pseudo-gradient norm, bytes per round)
+# 2: the peers' diloco figures (inner steps, pseudo-gradient norm, bytes per round); 3: their training and swarm time
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT = 5.0  # seconds a connection waits for a lock held by the other side
 T = TypeVar("T")
 
@@ -24,7 +25,7 @@ SCHEMA = [
     " config_json TEXT, join_command TEXT, coordinator_peer_id TEXT, started REAL)",
     "CREATE TABLE IF NOT EXISTS peers (peer_id TEXT PRIMARY KEY, name TEXT, hardware TEXT, client_mode INTEGER,"
     " epoch INTEGER, samples_per_second REAL, loss REAL, samples INTEGER, first_seen REAL, last_seen REAL,"
-    " inner_steps INTEGER, pseudo_gradient_norm REAL, round_bytes INTEGER)",
+    " inner_steps INTEGER, pseudo_gradient_norm REAL, round_bytes INTEGER, train_seconds REAL, swarm_seconds REAL)",
     "CREATE TABLE IF NOT EXISTS snapshots (time REAL, epoch INTEGER, alive_peers INTEGER, clients INTEGER,"
     " samples_per_second REAL, samples_accumulated INTEGER, target_batch_size INTEGER, eta_seconds REAL,"
     " mean_loss REAL)",
@@ -74,6 +75,8 @@ class PeerRow:
     inner_steps: int | None = None  # diloco: inner steps since the peer's last outer round
     pseudo_gradient_norm: float | None = None  # diloco: of its pseudo-gradient in its last round
     round_bytes: int | None = None  # diloco: bytes it sent in its last round (estimated)
+    train_seconds: float | None = None  # wall time since its first local step
+    swarm_seconds: float | None = None  # of which in swarm rounds and state downloads
 
 
 @dataclass

@@ -33,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.record_guard import make_vetted_progress_tracker
-from hivetrain.swarm import DHTOptions, keeping_sigint, start_dht
+from hivetrain.swarm import RECORD_LIFETIME, DHTOptions, keeping_sigint, start_dht, withdraw_records
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +259,8 @@ class HivemindStrategy(Strategy):
     def teardown(self) -> None:
         # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
+            # the others stop counting this peer at once (hivemind's own goodbye does not wait for the DHT)
+            withdraw_records(self.dht, self.optimizer.tracker, [self.optimizer.state_averager])
             self.optimizer.shutdown()
             self.optimizer = None
         if self.rounds is not None:
@@ -616,8 +618,9 @@ def _swarm_optimizer(options: HivemindOptions, dht: hivemind.DHT, make_optimizer
         load_state_compression=COMPRESSION[options.state_compression](),
         client_mode=dht.client_mode,
         # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
-        averager_opts=dict(request_timeout=min(3.0, options.matchmaking_time / 2)),
-        tracker_opts=dict(private_key=private_key) if private_key is not None else None,
+        averager_opts=dict(request_timeout=min(3.0, options.matchmaking_time / 2), declare_state_period=RECORD_LIFETIME),
+        tracker_opts=dict(metadata_expiration=RECORD_LIFETIME,
+                          **(dict(private_key=private_key) if private_key is not None else {})),
         verbose=options.verbose,
     )
 

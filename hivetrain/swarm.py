@@ -35,6 +35,11 @@ INITIAL_PEERS_ENV = "HIVETRAIN_INITIAL_PEERS"
 RUN_KEY = "hivetrain_run"  # one fixed key: a joiner knows only an address, not yet the run's id
 RUN_RECORD_TTL = 60.0  # seconds a published manifest lives unless the coordinator refreshes it
 DHT_READ_TIMEOUT = 10.0  # seconds a read of the DHT may take
+# Seconds a peer's records live in the DHT (its training progress, its offer to share state): one that dies without
+# a word stops counting this long after its last refresh. hivemind refreshes them at half their lifetime (its defaults,
+# 60 s and 30 s, kept a dead peer in the round target and among the state donors for up to a minute).
+RECORD_LIFETIME = 15.0
+LEAVE_TIMEOUT = 5.0  # seconds a leaving peer waits for the DHT to take its withdrawn records
 Record = TypeVar("Record", bound=BaseModel)
 
 
@@ -225,6 +230,29 @@ def start_dht(options: DHTOptions, while_connecting: Callable[[], None] = lambda
                 " gets no answer.")
         ) from None
     return dht
+
+
+def withdraw_records(dht: hivemind.DHT, tracker: Any, averagers: list[Any], timeout: float = LEAVE_TIMEOUT) -> bool:
+    """A clean leave, before the averagers and the DHT shut down: overwrite this peer's progress record and its offers
+    to share state with empty ones, and wait until the DHT has taken them. The others then stop counting this peer at
+    their next look (a round's target, a group, a state download) instead of when its records lapse. hivemind's own
+    goodbye (ProgressTracker.shutdown) stores the progress without waiting, and the DHT may be gone before it lands;
+    its averagers never withdraw their offer. Returns whether every record was withdrawn in time."""
+    expiration = get_dht_time() + RECORD_LIFETIME
+    stores = []
+    if tracker is not None:
+        stores.append(dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=None,
+                                expiration_time=expiration, return_future=True))
+    for averager in averagers:
+        averager.allow_state_sharing = False  # its own process stops re-declaring the offer
+        stores.append(dht.store(f"{averager.prefix}.all_averagers", subkey=averager.peer_id.to_bytes(), value=None,
+                                expiration_time=expiration, return_future=True))
+    deadline = time.monotonic() + timeout
+    try:
+        return all([future.result(timeout=max(0.0, deadline - time.monotonic())) for future in stores])
+    except Exception as e:  # the DHT already gone (a Ctrl-C that reached it too), a timeout: the records lapse instead
+        logger.debug(f"Could not withdraw this peer's records: {e!r}")
+        return False
 
 
 FORGET_PEERS_AFTER = 600.0  # seconds: a peer gone this long is not dialled again

@@ -43,6 +43,9 @@ class PeerRecord(BaseModel):
     inner_steps: Optional[conint(ge=0, strict=True)] = None  # inner steps since this peer's last outer round
     pseudo_gradient_norm: Optional[confloat(ge=0.0, strict=True)] = None  # of its pseudo-gradient in its last round
     round_bytes: Optional[conint(ge=0, strict=True)] = None  # bytes it sent in its last round (estimated)
+    # wall time since its first local step, and of that the time in swarm rounds and state downloads (None before)
+    train_seconds: Optional[confloat(ge=0.0, strict=True)] = None
+    swarm_seconds: Optional[confloat(ge=0.0, strict=True)] = None
 
 
 class _MetricsSchema(BaseModel):

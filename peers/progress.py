@@ -54,10 +54,13 @@ class SwarmProgress(pl.Callback):
             self._finish(trainer)
 
     def _finish(self, trainer: pl.Trainer) -> None:
+        self._measure_time(trainer)
+        self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
+
+    def _measure_time(self, trainer: pl.Trainer) -> None:
         if self._train_started is not None and trainer.strategy.tracker is not None:
             self.train_seconds = time.monotonic() - self._train_started
             self.swarm_seconds = trainer.strategy.swarm_seconds - self._swarm_seconds_before
-        self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -93,6 +96,7 @@ class SwarmProgress(pl.Callback):
         now = time.monotonic()
         since, samples_then = self._published
         losses = self._recent_losses
+        self._measure_time(trainer)
         rounds, diloco = trainer.strategy.rounds, {}  # diloco: what the dashboard shows of each peer's rounds
         if rounds is not None:
             diloco = dict(inner_steps=rounds.inner_steps_since_round,
@@ -108,6 +112,8 @@ class SwarmProgress(pl.Callback):
             loss=finite_or_none(sum(losses) / len(losses)) if losses else None,
             samples=self.samples,
             time=time.time(),
+            train_seconds=float(self.train_seconds) if self._train_started is not None else None,
+            swarm_seconds=float(self.swarm_seconds) if self._train_started is not None else None,
             **diloco,
         )
         publish_peer_record(trainer.strategy.dht, trainer.strategy.options.run_id, record, wait=wait)

@@ -1,8 +1,9 @@
 """The embedded default: a coordinator and two volunteer peers on this machine train the `demo` preset (a tiny ViT on
-scikit-learn's digits). The coordinator validates the shared model as it trains and keeps the best checkpoint; the
-run is written to runs/demo/logbook/demo.md from its metrics store (with --publish, `make logbook`: to logbook/).
+scikit-learn's digits) in diloco rounds. The coordinator validates the shared model as it trains and keeps the best
+checkpoint; the run is written to runs/demo/logbook/demo.md from its metrics store (with --publish, `make logbook`: to
+logbook/).
 
-    python scripts/demo.py [--epochs 50]
+    python scripts/demo.py [--mode diloco|sync] [--inner-steps 16] [--epochs N]
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
+
 ROOT = Path(__file__).resolve().parent.parent
+# Local steps of 32 samples per peer between rounds: 2 peers x 16 x 32 = 1,024 samples per round, about a second of
+# compute per peer here against a round's fixed cost (matchmaking and the progress records), ~2 s on loopback.
+DEMO_INNER_STEPS = 16
 OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Metrics|Joined run|Starting at|swarm epoch|validation at|"
                        r"best checkpoint|Leaving|Saved|Left|error)")
 
@@ -127,7 +133,15 @@ def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python scripts/demo.py")
-    parser.add_argument("--epochs", type=int, default=50, help="swarm epochs to train (128 samples each)")
+    parser.add_argument("--mode", choices=SWARM_MODES, default="diloco",
+                        help="diloco (default): rounds of --inner-steps local steps, the preset's schedule stretched to"
+                             " the same learning rate per sample seen; sync: the preset as it is, gradients averaged"
+                             " every swarm epoch of 128 samples")
+    parser.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
+                        help="diloco: local steps of 32 samples per peer between rounds (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="swarm epochs to train: outer rounds (diloco) or optimizer steps (sync); default: the"
+                             " samples of the preset's schedule (60 x 128) in either mode")
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "demo"), help="where logs and weights go")
     parser.add_argument("--logbook", default=None,
                         help="the page written at the end (default: <workdir>/logbook/demo.md; with --publish,"
@@ -142,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the page and the run record into the repository's logbook/ (make logbook): the"
                              " committed logbook changes only when asked")
     args = parser.parse_args(argv)
+    if args.inner_steps < 1 or (args.epochs is not None and args.epochs < 1):
+        parser.error("--inner-steps and --epochs must be at least 1")
+    preset = get_preset("demo")
+    schedule_samples = preset.optim.total_steps * preset.swarm.target_batch_size
+    epoch_samples = (args.inner_steps * preset.batch_size * 2 if args.mode == "diloco"
+                     else preset.swarm.target_batch_size)
+    args.epochs = args.epochs or -(-schedule_samples // epoch_samples)
+    swarm_options = (["--mode", "diloco", "--inner-steps", str(args.inner_steps), *diloco_schedule_flags(preset, 2)]
+                     if args.mode == "diloco" else ["--mode", "sync"])
     logbook = ROOT / "logbook" if args.publish else Path(args.workdir) / "logbook"
     args.logbook = args.logbook or str(logbook / "demo.md")
     if args.record_dir is None:
@@ -153,12 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     python = sys.executable
     lines: dict[str, list[str]] = {name: [] for name in ("coordinator", "peer1", "peer2")}
+    print(f"DDP on this machine for reference (2 processes, one thread each, {preset.batch_size} samples per step"
+          f" each, as the peers)...", flush=True)
+    ddp = _ddp_reference(workdir, preset.batch_size)
+    if ddp is None:
+        return 1
 
-    print(f"HiveTrain demo: a coordinator and two peers on 127.0.0.1 train for {args.epochs} swarm epochs."
-          f" Full logs: {workdir}/", flush=True)
+    rounds = f"rounds of {args.inner_steps} inner steps" if args.mode == "diloco" else "swarm epochs"
+    print(f"HiveTrain demo: a coordinator and two peers on 127.0.0.1 train for {args.epochs} {rounds}"
+          f" ({args.mode} mode). Full logs: {workdir}/", flush=True)
     coordinator = _start("coordinator", [
         python, "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", "0",
-        "--identity", str(workdir / "coordinator.key"), "--refresh", "2", "--log-dir", str(workdir),
+        "--identity", str(workdir / "coordinator.key"), "--refresh", "2", "--log-dir", str(workdir), *swarm_options,
     ], workdir, lines["coordinator"])
     peers: list[subprocess.Popen] = []
     dashboard = _start_dashboard(workdir, args.dashboard_port)
@@ -195,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(codes):
         print(f"error: a peer failed (exit codes {codes}); see {workdir}/peer*.log", file=sys.stderr)
         return 1
-    result = _measure(workdir, args.epochs, wall_time, lines, started_unix)
+    result = _measure(workdir, args.mode, args.inner_steps, wall_time, lines, started_unix)
+    result["ddp_samples_per_s"] = ddp
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
     if args.record_dir:
@@ -212,21 +242,42 @@ def main(argv: list[str] | None = None) -> int:
     best = result["best"]
     print(f"\nBest validation on {best['samples']} held-out digits: top-1 {best['top1']:.1%}, top-5"
           f" {best['top5']:.1%}, loss {best['loss']:.3f} at swarm epoch {best['epoch']} (checkpoint"
-          f" {result['best_checkpoint']}); {result['swarm_epochs']} swarm epochs in"
-          f" {result['wall_time_s']:.0f} s ({result['samples_per_s']:.0f} samples/s); the two peers' weights differ by"
+          f" {result['best_checkpoint']}); {result['swarm_epochs']} swarm epochs ({result['mode']}) in"
+          f" {result['wall_time_s']:.0f} s ({result['samples_per_s']:.0f} samples/s, {result['swarm_time_share']:.0%} of"
+          f" the peers' time in swarm rounds; DDP {ddp:.0f} samples/s); the two peers' weights differ by"
           f" at most {result['max_weight_difference']:.2e}.\nWritten to {args.logbook} and {workdir}/result.json",
           flush=True)
     return 0
 
 
-def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list[str]], started_unix: float) -> dict:
+def _ddp_reference(workdir: Path, batch_size: int, steps: int = 100) -> float | None:
+    """Samples/s of DDP on the same cores at the peers' per-step batch: what the swarm's throughput is measured
+    against. Its run record stays in the workdir (the logbook's baselines come from `baselines/run.py` runs)."""
+    records = workdir / "ddp-reference"
+    shutil.rmtree(records, ignore_errors=True)
+    with (workdir / "ddp-reference.log").open("w") as log:
+        done = subprocess.run([sys.executable, "baselines/run.py", "--preset", "demo", "--strategy", "ddp", "--devices",
+                               "2", "--threads", "1", "--batch-size", str(batch_size), "--epochs", "1000",
+                               "--max-steps", str(steps), "--val-limit", "0", "--progress-bar", "off", "--out-dir",
+                               str(records), "--record-dir", str(records)], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        print(f"error: the DDP reference run failed (exit code {done.returncode}); see {workdir}/ddp-reference.log",
+              file=sys.stderr)
+        return None
+    [record] = records.glob("*.json")
+    return float(json.loads(record.read_text())["samples_per_s"])
+
+
+def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, lines: dict[str, list[str]],
+             started_unix: float) -> dict:
     import torch
 
-    from hivetrain.config import get_preset
     from hivetrain.metrics_store import MetricsReader
     from hivetrain.model import create_model, load_weights
 
-    config = get_preset("demo")
+    with MetricsReader(workdir / "metrics.sqlite") as store:
+        config = RunConfig.from_json(store.run().config_json)  # the preset as the coordinator ran it
     models, epochs_reached = [], []
     for i in (1, 2):
         model = create_model(config.model, seed=config.seed)
@@ -237,7 +288,10 @@ def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list
         validations = [dict(epoch=v.epoch, time_s=round(v.time - started_unix, 1), top1=v.top1, top5=v.top5,
                             loss=v.loss, samples=v.samples) for v in store.validations()]
         best = next((c for c in store.checkpoints() if c.best), None)
-        contributions = {p.name: p.samples for p in store.peers()}
+        peers = store.peers()
+    contributions = {p.name: p.samples for p in peers}
+    # each peer's share of its training time spent in swarm rounds and state downloads (its last record)
+    shares = [p.swarm_seconds / p.train_seconds for p in peers if p.train_seconds]
     if not validations or best is None:
         raise RuntimeError(f"the coordinator recorded no validation; see {workdir}/coordinator.log")
     best_validation = max(validations, key=lambda v: v["top1"])  # the first of the best, as the store picks it
@@ -247,10 +301,14 @@ def _measure(workdir: Path, epochs: int, wall_time: float, lines: dict[str, list
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
         versions=_versions(),
-        preset="demo", fingerprint=config.fingerprint, peers=2, threads_per_peer=1,
+        preset="demo", fingerprint=config.fingerprint, peers=2, threads_per_peer=1, mode=mode,
+        inner_steps=inner_steps if mode == "diloco" else None, config=config.to_dict(),
+        # samples per swarm epoch: the target batch (sync) or a round of H steps of both peers (diloco)
+        epoch_samples=inner_steps * config.batch_size * 2 if mode == "diloco" else config.swarm.target_batch_size,
         target_batch_size=config.swarm.target_batch_size, batch_size=config.batch_size,
-        swarm_epochs=swarm_epochs, wall_time_s=round(wall_time, 1),
-        samples_per_s=round(swarm_epochs * config.swarm.target_batch_size / wall_time, 1),
+        swarm_epochs=swarm_epochs, wall_time_s=round(wall_time, 1), train_samples=sum(contributions.values()),
+        samples_per_s=round(sum(contributions.values()) / wall_time, 1),
+        swarm_time_share=round(sum(shares) / len(shares), 3) if shares else None,
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
         validations=validations, best=best_validation, best_checkpoint=_shown(Path(best.uri)),
         contributions=contributions, max_weight_difference=difference, torch_threads=torch.get_num_threads(),
@@ -266,11 +324,10 @@ def _shown(path: Path) -> str:
 def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler, started_at: str,
                   command: str) -> Path:
     """The demo as a run record of strategy "swarm", so the logbook sets it beside single, DDP and FSDP."""
-    from hivetrain.config import get_preset
     from hivetrain.records import RankMemory, RunRecord, ValidationPoint, cpu_name, software_versions, write_record
 
-    config = get_preset("demo")
-    samples = r["swarm_epochs"] * r["target_batch_size"]
+    config = RunConfig.from_dict(r["config"])
+    samples, epoch_samples = r["train_samples"], r["epoch_samples"]
     passes = samples // 1437  # digits' training split
     return write_record(RunRecord(
         name=f"demo-swarm-{r['peers']}peers-{started_at.replace(':', '').replace('-', '')[:15]}",
@@ -278,18 +335,21 @@ def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler
         command=command, started_at=started_at, host=os.uname().nodename, accelerator="cpu", device_name=cpu_name(),
         versions=software_versions(), num_nodes=1, devices_per_node=r["peers"], world_size=r["peers"],
         threads=r["threads_per_peer"], precision="32", batch_size=r["batch_size"], batch_size_auto=False,
-        accumulate=r["target_batch_size"] // (r["batch_size"] * r["peers"]), global_batch_size=r["target_batch_size"],
+        # samples per swarm epoch: accumulated over steps (sync), or a round of H inner steps per peer (diloco)
+        accumulate=epoch_samples // (r["batch_size"] * r["peers"]), global_batch_size=epoch_samples,
         epochs=passes, steps=r["swarm_epochs"], train_samples=samples, wall_time_s=r["wall_time_s"],
         train_time_s=r["wall_time_s"], samples_per_s=r["samples_per_s"],
         # the coordinator validates the shared model as the swarm trains (its metrics store)
-        validation=[ValidationPoint(epoch=v["epoch"] * r["target_batch_size"] // 1437, step=v["epoch"],
+        validation=[ValidationPoint(epoch=v["epoch"] * epoch_samples // 1437, step=v["epoch"],
                                     time_s=v["time_s"], loss=round(v["loss"], 6), top1=round(v["top1"], 6),
                                     top5=round(v["top5"], 6)) for v in r["validations"]],
         memory=[RankMemory(rank=rank, host=os.uname().nodename, peak_rss_bytes=peak)
                 for rank, peak in enumerate(sampler.peak_rss)],
         utilisation=sampler.samples, best_checkpoint=r["best_checkpoint"],
         best_top1=round(r["best"]["top1"], 6), cpu_count=os.cpu_count(),
-        notes="peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
+        notes=f"{r['mode']} mode"
+              + (f", {r['inner_steps']} inner steps per round" if r["mode"] == "diloco" else "")
+              + "; peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
     ), record_dir)
 
 
@@ -304,6 +364,11 @@ def _write_logbook(path: Path, r: dict) -> None:
     curve = "\n".join(f"| {v['epoch']} | {v['time_s']:.0f} s | {v['top1']:.2%} | {v['top5']:.2%} | {v['loss']:.4f} |"
                       for v in r["validations"])
     contributions = "\n".join(f"| {name} | {samples} |" for name, samples in r["contributions"].items())
+    schedule = RunConfig.from_dict(r["config"]).optim
+    mode = (f"diloco, {r['inner_steps']} inner steps per peer per round; schedule of {schedule.total_steps} inner steps"
+            f" ({schedule.warmup_steps} of warmup)" if r["mode"] == "diloco" else
+            f"sync, gradients averaged every {r['target_batch_size']} samples")
+    share = "–" if r["swarm_time_share"] is None else f"{r['swarm_time_share']:.0%}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""# Demo: a local swarm on digits
 
@@ -314,10 +379,13 @@ scikit-learn's 8x8 digits). CPU run on a small preset; {r['machine']}; {r['versi
 | measure | value |
 |---|---|
 | peers | {r['peers']} |
-| target batch / per-step batch | {r['target_batch_size']} / {r['batch_size']} |
-| swarm epochs (optimizer steps) | {r['swarm_epochs']} |
+| swarm mode | {mode} |
+| samples per swarm epoch / per-step batch of a peer | {r['epoch_samples']} / {r['batch_size']} |
+| swarm epochs ({'outer rounds' if r['mode'] == 'diloco' else 'optimizer steps'}) | {r['swarm_epochs']} |
 | wall time, first peer start to last peer exit | {r['wall_time_s']:.1f} s |
-| swarm throughput | {r['samples_per_s']:.1f} samples/s |
+| swarm throughput (samples the peers trained / wall time) | {r['samples_per_s']:.1f} samples/s |
+| DDP on the same cores at the same per-step batch | {r['ddp_samples_per_s']:.1f} samples/s (swarm: {r['samples_per_s'] / r['ddp_samples_per_s']:.2f}x) |
+| the peers' time in swarm rounds and state downloads | {share} |
 | training loss, first → last swarm epoch (peer1) | {r['first_loss']:.3f} → {r['last_loss']:.3f} |
 | best validation top-1 / top-5 ({best['samples']} held-out digits) | {best['top1']:.2%} / {best['top5']:.2%} at swarm epoch {best['epoch']} |
 | last validation top-1 / loss | {last['top1']:.2%} / {last['loss']:.4f} at swarm epoch {last['epoch']} |

@@ -53,7 +53,7 @@ def write_run(path: Path, peers: list[PeerRow], top1s: list[float], checkpoints:
 def peer(name: str, samples: int, last_seen_ago: float, client: bool = False) -> PeerRow:
     now = time.time()
     return PeerRow(f"Qm{name}PeerIdentity", name, "cpu: 2 cores", client, 4, 40.0, 0.8, samples, now - 900,
-                   now - last_seen_ago)
+                   now - last_seen_ago, train_seconds=samples / 10, swarm_seconds=samples / 100)
 
 
 def metric(at: AppTest, label: str) -> str:
@@ -114,6 +114,7 @@ def test_running_swarm(monkeypatch, tmp_path):
     assert dict(zip(table["name"], table["contributed"])) == {"alpha": 900, "bravo": 1500, "charlie": 300}
     assert dict(zip(table["name"], table["client mode"])) == {"alpha": "no", "bravo": "yes", "charlie": "no"}
     assert set(table["peer"]) == {"QmalphaP…", "QmbravoP…", "Qmcharli…"}
+    assert set(table["in swarm rounds"]) == {"10%"}  # of each peer's training time
 
     board = at.dataframe[1].value
     assert list(board["name"]) == ["bravo", "alpha", "charlie"]

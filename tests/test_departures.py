@@ -1,0 +1,78 @@
+"""Peers that leave stop counting at once, and peers that die soon: a peer that leaves cleanly withdraws its progress
+record and its offer to share state before it exits, and a killed peer's records lapse within RECORD_LIFETIME, so the
+others neither wait for it in a round's target nor ask it for the state. In both swarm modes, on loopback."""
+
+import re
+import time
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from conftest import start_coordinator
+from hivetrain.config import get_preset
+from hivetrain.diloco import outer_state_prefix
+from hivetrain.swarm import RECORD_LIFETIME
+
+RUN_ID = get_preset("demo").run_id
+EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
+MODES = {"sync": ("--mode", "sync"), "diloco": ("--mode", "diloco", "--inner-steps", "4")}
+
+
+def _entries(dht: hivemind.DHT, key: str) -> list[tuple[object, float]]:
+    """(value, expiration) of each subkey under `key`; a withdrawn record's value is None."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [(entry.value, entry.expiration_time) for entry in found.value.values()]
+
+
+def _live(dht: hivemind.DHT, key: str) -> int:
+    return sum(value is not None for value, _ in _entries(dht, key))
+
+
+def _epoch_lines(process, since: int = 0) -> list[tuple[int, int]]:
+    """(epoch, peers) of each epoch line from line number `since` on."""
+    return [(int(m.group(1)), int(m.group(2))) for line in list(process.lines)[since:] if (m := EPOCH_LINE.match(line))]
+
+
+def _wait_for_line(process, since: int, condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(condition(epoch, peers) for epoch, peers in _epoch_lines(process, since)):
+        assert process.popen.poll() is None, f"{process.log} exited"
+        assert time.monotonic() < deadline, f"no such epoch line within {timeout} s; log {process.log}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_departed_peers_stop_counting(spawn, tmp_path, mode):
+    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", *MODES[mode], "--refresh", "1")
+    common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1", "--min-peers", "3")
+    peers = {name: spawn(name, "peers/join.py", *common, "--name", name) for name in ("a", "b", "c")}
+    for process in peers.values():
+        process.wait_for(r"^swarm epoch \d+ \| 3 peer\(s\)", timeout=240)
+    progress_key = f"{RUN_ID}_progress"
+    sharing_key = (f"{outer_state_prefix(RUN_ID)}.all_averagers" if mode == "diloco"
+                   else f"{RUN_ID}_state_averager.all_averagers")
+    dht = hivemind.DHT(initial_peers=addresses, client_mode=True, start=True)
+    try:
+        assert _live(dht, progress_key) == 3
+
+        # A clean leave (SIGTERM, as a notebook's stop button): c's records are withdrawn by the time it has exited.
+        peers["c"].stop()
+        assert peers["c"].popen.returncode == 0
+        assert _live(dht, progress_key) == 2
+        assert [value for value, _ in _entries(dht, progress_key)].count(None) == 1
+        assert [value for value, _ in _entries(dht, sharing_key)].count(None) == 1
+
+        # Killed without a word: b's records were refreshed within their lifetime and lapse within it.
+        peers["b"].kill()
+        killed_at = get_dht_time()
+        assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in _entries(dht, progress_key))
+        assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in _entries(dht, sharing_key))
+        # ...and a goes on, alone once b's record has lapsed.
+        since = len(peers["a"].lines)
+        _wait_for_line(peers["a"], since, lambda epoch, peers_: peers_ == 1, timeout=RECORD_LIFETIME + 120)
+        assert _live(dht, progress_key) == 1
+    finally:
+        dht.shutdown()
