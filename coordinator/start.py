@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     schedule.add_argument("--total-steps", type=int, default=None, metavar="N",
                           help="optimizer steps after which the cosine schedule reaches its floor, counted the same way")
     watch = parser.add_argument_group("monitoring and validation")
+    watch.add_argument("--verbose", action="store_true",
+                       help="keep the tracebacks hivemind logs for the swarm's ordinary events (a peer that left"
+                            " mid-download, a round without a group): one line per event otherwise")
     watch.add_argument("--refresh", type=float, default=10.0, help="seconds between looks at the swarm (default: %(default)s)")
     watch.add_argument("--log-dir", default=None, metavar="DIR",
                        help="where the metrics store, TensorBoard events and checkpoints go (default: runs/<run-id>)")
@@ -213,7 +216,10 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.access import RunAuthorizer, issue_grant, load_authority
     from hivetrain.reachability import serve_dial_back
     from hivetrain.record_guard import guard_run_keys
-    from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, start_dht
+    from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, one_line_per_event, start_dht
+
+    if not args.verbose:
+        one_line_per_event()
 
     # Everything that can be refused is checked before the run is touched: the checkpoint to resume, the store, the
     # validation data. Only then does the coordinator join the swarm.

@@ -109,6 +109,34 @@ class _ShutdownRaceFilter(logging.Filter):
         return "Task was destroyed but it is pending" not in record.getMessage()
 
 
+class _OneLinePerEvent(logging.Filter):
+    """A volunteer's console shows one line per swarm event. hivemind logs ordinary events of a swarm (a round that
+    found no group, a peer that left mid-round, a refused download) with their tracebacks, as if they were crashes:
+    those lose the traceback and keep their message. The announcement before each state download goes too: the line
+    after it says where from and how long it took."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Downloading parameters from peer"):
+            return False
+        if record.exc_info:
+            error = record.exc_info[1]
+            detail = f"{type(error).__name__}: {error}" if error is not None else ""
+            if detail and str(error) not in record.getMessage():
+                record.msg, record.args = f"{record.getMessage()} ({detail})", None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def one_line_per_event() -> None:
+    """Install _OneLinePerEvent on hivemind's log handler (a role's default; --verbose keeps hivemind's detail). Call
+    it before starting the DHT: its processes are forked and inherit the filter."""
+    from hivemind.utils import logging as hivemind_logging
+
+    handler = hivemind_logging._default_handler
+    if handler is not None and not any(isinstance(f, _OneLinePerEvent) for f in handler.filters):
+        handler.addFilter(_OneLinePerEvent())
+
+
 def _quiet_unraisable(unraisable) -> None:
     # MPFuture.__del__ may run after its event loop closed during interpreter exit; nothing is lost then.
     if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):

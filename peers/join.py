@@ -84,7 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="write the final weights (safetensors) when leaving")
     out.add_argument("--progress-bar", choices=("auto", "on", "off"), default="auto",
                      help="auto (default): only when the output is a terminal")
-    out.add_argument("--verbose", action="store_true", help="show hivemind's own progress messages")
+    out.add_argument("--verbose", action="store_true",
+                     help="show hivemind's own progress messages, and the tracebacks of the swarm's ordinary events"
+                          " (a round without a group, a peer that left): one line per event otherwise")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
@@ -176,8 +178,12 @@ def _join(args: argparse.Namespace) -> int:
     from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
     from hivetrain.swarm import (
-        DHTOptions, StayConnected, SwarmError, fetch_run_config, listen_maddr, resolve_initial_peers, start_dht,
+        DHTOptions, StayConnected, SwarmError, fetch_run_config, listen_maddr, one_line_per_event,
+        resolve_initial_peers, start_dht,
     )
+
+    if not args.verbose:
+        one_line_per_event()
 
     try:
         initial_peers = resolve_initial_peers(args.initial_peers)

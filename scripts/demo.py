@@ -278,20 +278,19 @@ def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, lines
 
     with MetricsReader(workdir / "metrics.sqlite") as store:
         config = RunConfig.from_json(store.run().config_json)  # the preset as the coordinator ran it
+        validations = [dict(epoch=v.epoch, time_s=round(v.time - started_unix, 1), top1=v.top1, top5=v.top5,
+                            loss=v.loss, samples=v.samples) for v in store.validations()]
+        best = next((c for c in store.checkpoints() if c.best), None)
+        peers = store.peers()
     models, epochs_reached = [], []
     for i in (1, 2):
         model = create_model(config.model, seed=config.seed)
         epochs_reached.append(int(load_weights(workdir / f"peer{i}.safetensors", model)["epoch"]))
         models.append(model)
     difference = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
-    with MetricsReader(workdir / "metrics.sqlite") as store:
-        validations = [dict(epoch=v.epoch, time_s=round(v.time - started_unix, 1), top1=v.top1, top5=v.top5,
-                            loss=v.loss, samples=v.samples) for v in store.validations()]
-        best = next((c for c in store.checkpoints() if c.best), None)
-        peers = store.peers()
     contributions = {p.name: p.samples for p in peers}
     # each peer's share of its training time spent in swarm rounds and state downloads (its last record)
-    shares = [p.swarm_seconds / p.train_seconds for p in peers if p.train_seconds]
+    shares = [p.swarm_seconds / p.train_seconds for p in peers if p.train_seconds and p.swarm_seconds is not None]
     if not validations or best is None:
         raise RuntimeError(f"the coordinator recorded no validation; see {workdir}/coordinator.log")
     best_validation = max(validations, key=lambda v: v["top1"])  # the first of the best, as the store picks it

@@ -1,6 +1,6 @@
 """Faults a run survives, one after another in one swarm: a peer whose loss turns NaN, a peer cut off the network and
 back, a peer killed without warning, the coordinator killed and restarted with the same identity, every volunteer
-gone before a new one joins. Peer b sits in a network namespace behind a veth pair the test makes (the coordinator
+gone and hostile records written under every key the run reads before a new one joins. Peer b sits in a network namespace behind a veth pair the test makes (the coordinator
 dials it back, so it joins as a full peer); the cut takes its link down. The fixture measures each recovery and
 writes the reliability page: into a temporary folder, or where HIVETRAIN_RELIABILITY_PAGE says (`make logbook`
 writes logbook/reliability.md)."""
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import hivemind
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
 from benchmarks.netns import VethNamespace
 from s3server import free_ports
+from test_hostile_records import SHAPES, attack, hostile_stores, start_attacker
 
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
 POISONED_STEPS = 3
@@ -68,6 +70,13 @@ def _wait(condition, what: str, processes: list[Process], timeout: float = TIMEO
     return result
 
 
+def _live_records(dht: hivemind.DHT, key: str) -> int:
+    """Entries under `key` that are not withdrawn (a leaving peer overwrites its own with None)."""
+    found = dht.get(key, latest=True)
+    return sum(entry.value is not None for entry in found.value.values()) if found and isinstance(found.value, dict) \
+        else 0
+
+
 def _finite_weights(path: Path) -> bool:
     config = get_preset("demo")
     model = create_model(config.model, seed=config.seed)
@@ -108,6 +117,7 @@ def run(tmp_path_factory):
     net = None if unavailable else VethNamespace(1).create()
     host = net.host_ip if net else "127.0.0.1"
     started: list[Process] = []
+    dhts: list[hivemind.DHT] = []  # the test's own reader of the swarm's records, and the attacker
     rows: list[FaultRow] = []
     facts: dict = dict(net=net, unavailable=unavailable)
 
@@ -130,6 +140,8 @@ def run(tmp_path_factory):
     try:
         first, addresses = start_coordinator("coordinator")
         facts["addresses"] = addresses
+        dhts.append(hivemind.DHT(initial_peers=addresses, client_mode=True, start=True))
+        progress_key = f"{get_preset('demo').run_id}_progress"
         a = spawn("a", "peers/join.py", "--host", host, *peer_args("a", "--min-peers", "2"))
         b = spawn("b", "peers/join.py", *peer_args("b"), prefix=net.exec_prefix if net else ())
         c = spawn("c", "tests/sick_peer.py", "4", str(POISONED_STEPS), "--host", host,
@@ -179,8 +191,13 @@ def run(tmp_path_factory):
         resumed = _wait(lambda: next((t for t, _, _ in _epochs(a, since=killed_at)), None), "a's next epoch", [a, b])
         _wait(lambda: len(_epochs(a, since=killed_at)) >= 3, "3 epochs without c", [a, b])
         rows.append(FaultRow("peer c killed (SIGKILL) mid-averaging", epoch, resumed - killed_at,
-                             "a and b finish the swarm epoch c died in, then go on (c's progress record counts it"
-                             " as a peer until it expires, 60 s)"))
+                             "a and b finish the swarm epoch c died in, then go on"))
+        uncounted = _wait(lambda: next((t for t, _, peers_ in _epochs(a, since=killed_at) if peers_ == 2), None),
+                          "a's first epoch counting 2 peers", [a, b])
+        facts["c_uncounted_s"] = uncounted - killed_at
+        rows.append(FaultRow("peer c killed: when it stops counting", epoch, uncounted - killed_at,
+                             "a's first swarm epoch with 2 peers in the progress records (c's record lapsed: records"
+                             " live 15 s)"))
 
         # 4. The coordinator vanishes once it has validated; the peers train on; it comes back on the same address.
         first.wait_for(r"validation at swarm epoch", timeout=TIMEOUT)
@@ -199,20 +216,30 @@ def run(tmp_path_factory):
                              f" {facts['epochs_without_coordinator']} epochs; relaunched on the same address, it"
                              f" validated epoch {validated.group(1)} (recovery: from its relaunch to that)"))
 
-        # 5. Every volunteer leaves; a new one gets the state the coordinator kept.
+        # 5. Every volunteer leaves, withdrawing its records; hostile records go under every key the run reads; a new
+        # volunteer gets the state the coordinator kept all the same.
+        leaving_at = time.time()
         for process in (a, b):
             process.stop()
         facts["codes"] = dict(a=a.popen.returncode, b=b.popen.returncode)
+        facts["live_after_leaving"] = _live_records(dhts[0], progress_key)
+        rows.append(FaultRow("peers a and b leave (SIGTERM)", _epoch(a), time.time() - leaving_at,
+                             f"{facts['live_after_leaving']} live progress records right after both exited (each"
+                             " withdraws its own before it exits)"))
         time.sleep(3)  # the validator's last look at the swarm
         with MetricsReader(tmp / "run" / "metrics.sqlite") as reader:
             facts["last_validated"] = last = max(v.epoch for v in reader.validations())
+        dhts.append(start_attacker(addresses, victim=b"nobody"))
+        for shape in SHAPES:
+            attack(dhts[-1], hostile_stores(shape, get_preset("demo").run_id, b"nobody", addresses[0].split("/p2p/")[1]))
         left_at = time.time()
         d = spawn("d", "peers/join.py", "--host", host, *peer_args("d", "--stop-at-epoch", str(last + 2)))
         peers["d"] = d
         facts["code_d"] = d.wait(timeout=TIMEOUT)
         started_at = _first(d, r"Starting at swarm epoch")
-        rows.append(FaultRow("every volunteer gone, a new one joins", last, started_at - left_at,
-                             f"d starts from the coordinator's epoch-{last} state"
+        rows.append(FaultRow("every volunteer gone, hostile records of every shape under every key the run reads,"
+                             " a new one joins", last, started_at - left_at,
+                             f"d starts from the coordinator's epoch-{last} state and trains 2 epochs"
                              f" (from its launch; includes its start-up)"))
         facts["second"] = second
         _write_page(rows, "Peer b in a network namespace behind a veth pair." if net else
@@ -222,6 +249,8 @@ def run(tmp_path_factory):
     finally:
         for process in reversed(started):
             process.stop()
+        for dht in reversed(dhts):
+            dht.shutdown()
         if net:
             net.delete()
 
@@ -242,7 +271,7 @@ def test_a_peer_cut_off_reloads_the_swarms_state(run):
     b = run["peers"]["b"]
     assert run["epochs_during_cut"] >= 1  # the rest of the swarm did not wait for b
     # Back online, b downloaded the others' state rather than carrying on from its own.
-    assert _first(b, r"Downloading parameters from peer", since=run["restored_at"]) is not None
+    assert _first(b, r"Finished downloading state", since=run["restored_at"]) is not None
     # ...and so reached the swarm's epoch by a jump, not one lonely step at a time from where it drifted to.
     before = [epoch for t, epoch, _ in _epochs(b) if t <= run["restored_at"]]
     epochs = before[-1:] + [epoch for _, epoch, _ in _epochs(b, since=run["restored_at"])]
@@ -262,7 +291,13 @@ def test_a_peer_on_another_network_is_dialled_back(run):
 def test_a_killed_peer_does_not_stop_the_others(run):
     a = run["peers"]["a"]
     after = _epochs(a, since=run["c_killed_at"])
-    assert len(after) >= 3  # a and b went on (c's progress record still counts it for up to 60 s)
+    assert len(after) >= 3  # a and b went on
+    assert any(peers == 2 for _, _, peers in after)  # c's record lapsed: it no longer counts
+
+
+def test_peers_that_leave_withdraw_their_records(run):
+    assert run["codes"] == dict(a=0, b=0)
+    assert run["live_after_leaving"] == 0
 
 
 def test_the_restarted_coordinator_picks_up_the_run(run):

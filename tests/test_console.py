@@ -1,0 +1,43 @@
+"""A volunteer's console: one line per swarm event. hivemind's records of ordinary events lose their tracebacks but
+keep what happened; --verbose (no filter) keeps them."""
+
+import logging
+
+from hivemind.averaging.partition import AllreduceException
+from hivemind.utils import logging as hivemind_logging
+
+from hivetrain.swarm import one_line_per_event
+
+
+def _record(message: str, error: BaseException | None = None) -> logging.LogRecord:
+    exc_info = (type(error), error, error.__traceback__) if error is not None else None
+    return logging.LogRecord("hivemind.averaging.averager", logging.ERROR, __file__, 1, message, None, exc_info)
+
+
+def _raised(error: BaseException) -> BaseException:
+    try:
+        raise error
+    except BaseException as caught:
+        return caught
+
+
+def test_hivemind_events_print_one_line_each():
+    one_line_per_event()
+    one_line_per_event()  # once is enough: a second call adds nothing
+    handler = hivemind_logging._default_handler
+    assert sum(type(f).__name__ == "_OneLinePerEvent" for f in handler.filters) == 1
+
+    failed = _record("Averaging step failed: could not find a group",
+                     _raised(AllreduceException("Averaging step failed: could not find a group")))
+    assert handler.filter(failed) and failed.exc_info is None
+    assert handler.format(failed).count("\n") == 0 and "could not find a group" in handler.format(failed)
+
+    # An exception logged with a message of its own keeps what it says, on the same line.
+    refused = _record("Failed to load state from peer", _raised(ConnectionRefusedError("connection refused")))
+    assert handler.filter(refused)
+    line = handler.format(refused)
+    assert "\n" not in line and "Failed to load state from peer (ConnectionRefusedError: connection refused)" in line
+
+    # The announcement before a download goes: the line after it says where from and how long it took.
+    assert not handler.filter(_record("Downloading parameters from peer QmSomeone"))
+    assert handler.filter(_record("Finished downloading state in 0.1s from QmSomeone"))
