@@ -1,1 +1,34 @@
-"""HiveTrain: decentralized volunteer training on hivemind and PyTorch Lightning."""
+"""HiveTrain: decentralized volunteer training on hivemind and PyTorch Lightning.
+
+The Lightning strategy is the library piece: `from hivetrain import HivemindStrategy, HivemindOptions, DHTOptions`.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use: `import hivetrain.config` (the first thing peers/join.py and scripts/demo.py do, to parse
+# their arguments and print help) must not pay for hivemind and Lightning.
+_LAZY_EXPORTS = {
+    "HivemindStrategy": "hivetrain.strategy",
+    "HivemindOptions": "hivetrain.strategy",
+    "DHTOptions": "hivetrain.swarm",
+}
+
+__all__ = sorted(_LAZY_EXPORTS)
+
+if TYPE_CHECKING:
+    from hivetrain.strategy import HivemindOptions, HivemindStrategy
+    from hivetrain.swarm import DHTOptions
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_EXPORTS:
+        # also how `from hivetrain import logbook` finds that a submodule is meant and imports it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
