@@ -110,10 +110,13 @@ class HivemindStrategy(Strategy):
             raise ValueError("delay_optimizer_step requires offload_optimizer")
         self.options = options
         self._owns_dht = dht is None
-        self.dht = dht if dht is not None else start_dht(network or DHTOptions())
+        self._network = network or DHTOptions()
+        self.dht = dht if dht is not None else start_dht(self._network)
+        self._dht_shut_down = False  # an own DHT goes at teardown; a later fit with this strategy starts a new one
         self._device = device
         self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
+        self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
 
     # --- Lightning's single-process strategy contract -----------------------------------------------------------
 
@@ -206,6 +209,9 @@ class HivemindStrategy(Strategy):
         return _announce_and_count_peers(self.dht, self.tracker)
 
     def setup(self, trainer: pl.Trainer) -> None:
+        if self._dht_shut_down:  # fit again after a fit: the strategy's own DHT went at that fit's teardown
+            self.dht = start_dht(self._network)
+            self._dht_shut_down = False
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -217,6 +223,7 @@ class HivemindStrategy(Strategy):
         if self.options.mode == "diloco":
             self._setup_diloco()
             return
+        self._replaced = _ReplacedForSwarm.take(self)
         use_fp16 = isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed"
         if use_fp16:
             # Plain torch scaling breaks with hivemind's accumulation; hivemind's scaler unscales once per swarm step.
@@ -266,13 +273,52 @@ class HivemindStrategy(Strategy):
         if self.rounds is not None:
             self.rounds.shutdown()
             self.rounds = None
-        if self._owns_dht:
+        if self._replaced is not None:
+            self._replaced.put_back(self)
+            self._replaced = None
+        if self._owns_dht and not self._dht_shut_down:
             self.dht.shutdown()
+            self._dht_shut_down = True
         super().teardown()
 
 
 def _keep_gradients(*args: Any, **kwargs: Any) -> None:
     pass
+
+
+@dataclass
+class _ReplacedForSwarm:
+    """What HivemindStrategy.setup replaces on the strategy, its precision plugin and the user's LightningModule to
+    train in sync mode, as it was before: teardown puts it back, so that the module, the trainer's optimizers and the
+    strategy are the user's again (another fit, with this strategy or any other, starts from them)."""
+
+    options: HivemindOptions
+    optimizers: list[torch.optim.Optimizer]
+    lr_scheduler_configs: list
+    scaler: Any  # the precision plugin's gradient scaler (16-mixed), or None where the plugin has none
+    module: pl.LightningModule
+    own_zero_grad: Any  # an optimizer_zero_grad set on the module instance itself, or _NOT_SET
+
+    @classmethod
+    def take(cls, strategy: HivemindStrategy) -> _ReplacedForSwarm:
+        module = strategy.lightning_module
+        return cls(strategy.options, list(strategy.optimizers), list(strategy.lr_scheduler_configs),
+                   getattr(strategy.precision_plugin, "scaler", None), module,
+                   vars(module).get("optimizer_zero_grad", _NOT_SET))
+
+    def put_back(self, strategy: HivemindStrategy) -> None:
+        strategy.options = self.options
+        strategy.optimizers = self.optimizers
+        strategy.lr_scheduler_configs = self.lr_scheduler_configs
+        if hasattr(strategy.precision_plugin, "scaler"):
+            strategy.precision_plugin.scaler = self.scaler
+        if self.own_zero_grad is _NOT_SET:
+            vars(self.module).pop("optimizer_zero_grad", None)  # the class's hook shows through again
+        else:
+            self.module.optimizer_zero_grad = self.own_zero_grad
+
+
+_NOT_SET = object()
 
 
 def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[torch.nn.Parameter]) -> DiLoCoRounds:
