@@ -9,12 +9,14 @@ gets hivemind's gradient scaler.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
 import signal
 import threading
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -92,7 +94,25 @@ class HivemindOptions:
 
 
 class HivemindStrategy(Strategy):
-    """Train with a hivemind swarm. Give it a running `dht` or `DHTOptions` to start one."""
+    """Train with a hivemind swarm. Give it a running `dht` or `DHTOptions` to start one.
+
+    The module brings one torch optimizer and at most one torch LR scheduler (any but ReduceLROnPlateau, which is
+    refused at setup). How the scheduler advances:
+
+    - sync mode: hivemind rebuilds optimizer and scheduler on its own copy of the parameters and steps the scheduler
+      once per swarm epoch (one global optimizer step of `target_batch_size` samples), whatever interval and frequency
+      the module configured. The swarm epoch is the one step count all peers share (a peer's own steps depend on its
+      speed and on when it joined; a Lightning epoch is a pass over this peer's data only), so every peer has the same
+      LR at the same epoch, and a joining peer replays the schedule up to the swarm's epoch (SwarmSchedule). Lengths in
+      the schedule (T_max, total_steps, milestones) count swarm epochs.
+    - diloco mode: the module's optimizer takes the inner steps as Lightning runs them, and its scheduler steps after
+      every inner step (interval "step"); after each round it stands at least at round x inner_steps, so a slow or late
+      peer continues the swarm's schedule rather than its own.
+
+    setup replaces the trainer's optimizers and schedulers (and, for fp16 or reuse_grad_buffers, the precision
+    plugin's scaler and the module's optimizer_zero_grad); teardown puts them back, so the module can be fit again,
+    with this strategy or another.
+    """
 
     def __init__(
         self,
@@ -219,11 +239,19 @@ class HivemindStrategy(Strategy):
             raise ValueError(f"{type(self).__name__} trains with exactly one optimizer, got {len(self.optimizers)}")
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         if len(schedulers) > 1:
-            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler")
+            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler (a SequentialLR or "
+                             "ChainedScheduler can combine several)")
+        for scheduler in schedulers:
+            check_scheduler(scheduler, self.optimizers[0])
+        self._replaced = _ReplacedForSwarm.take(self)
         if self.options.mode == "diloco":
+            self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
             self._setup_diloco()
             return
-        self._replaced = _ReplacedForSwarm.take(self)
+        for config in self.lr_scheduler_configs:
+            if (config.interval, config.frequency) != ("step", 1):
+                logger.info(f"The LR scheduler steps once per swarm epoch, not per {config.frequency} "
+                            f"{config.interval}(s)")
         use_fp16 = isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed"
         if use_fp16:
             # Plain torch scaling breaks with hivemind's accumulation; hivemind's scaler unscales once per swarm step.
@@ -349,8 +377,15 @@ def _advance_schedules(lr_scheduler_configs: list, steps: int) -> None:
     for config in lr_scheduler_configs:
         with warnings.catch_warnings():  # a joiner advances its schedule before its first optimizer step
             warnings.simplefilter("ignore", UserWarning)
-            while config.scheduler.last_epoch < steps:
+            while _steps_taken(config.scheduler) < steps:
                 config.scheduler.step()
+
+
+def _steps_taken(scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
+    """A scheduler's last_epoch; a ChainedScheduler keeps none, and its links all step with it: its first link's."""
+    while isinstance(scheduler, torch.optim.lr_scheduler.ChainedScheduler):
+        scheduler = scheduler._schedulers[0]
+    return scheduler.last_epoch
 
 
 class DiLoCoDDPStrategy(DDPStrategy):
@@ -445,7 +480,11 @@ class DiLoCoDDPStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"{type(self).__name__} trains with exactly one optimizer, got {len(self.optimizers)}")
         if len(self.lr_scheduler_configs) > 1:
-            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler")
+            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler (a SequentialLR or "
+                             "ChainedScheduler can combine several)")
+        for config in self.lr_scheduler_configs:
+            check_scheduler(config.scheduler, self.optimizers[0])
+        self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
         _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
         self._own_sigterm_handler = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
 
@@ -595,11 +634,11 @@ class SwarmOptimizer(hivemind.Optimizer):
 
 def optimizer_recipe(optimizer: torch.optim.Optimizer,
                      scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None):
-    """What hivemind needs to build a configured torch optimizer (and LambdaLR scheduler) itself, so that it can
-    offload it: (param_groups, optimizer factory, scheduler factory or None). The class, hyperparameters, param groups
-    and LR lambdas carry over unchanged."""
-    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-        raise ValueError(f"HivemindStrategy can rebuild LambdaLR schedulers only, got {type(scheduler).__name__}")
+    """What hivemind needs to build a configured torch optimizer and its LR scheduler itself, so that it can offload
+    it: (param_groups, optimizer factory, scheduler factory or None). The class, hyperparameters and param groups carry
+    over unchanged; the scheduler becomes a SwarmSchedule of a copy of it, stepped once per swarm epoch."""
+    if scheduler is not None:
+        check_scheduler(scheduler, optimizer)
     optimizer_class = type(optimizer)
     # Each group carries every hyperparameter (torch fills in the defaults), so the groups alone rebuild it.
     param_groups = [dict(group) for group in optimizer.param_groups]
@@ -607,10 +646,148 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer,
     def make_optimizer(params):
         return optimizer_class(params)
 
-    def make_scheduler(inner: torch.optim.Optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(inner, scheduler.lr_lambdas)
+    def make_scheduler(inner: torch.optim.Optimizer) -> SwarmSchedule:
+        return SwarmSchedule(scheduler, inner)
 
     return param_groups, make_optimizer, make_scheduler if scheduler is not None else None
+
+
+PLATEAU_REFUSED = (
+    "HivemindStrategy cannot follow ReduceLROnPlateau: it lowers the learning rate when a metric stops improving, and "
+    "each peer measures that metric on its own batches, so the peers would train at different learning rates and a "
+    "joining peer could not tell the swarm's. Use a schedule of the step count instead (StepLR, MultiStepLR, "
+    "ExponentialLR, CosineAnnealingLR, OneCycleLR, LinearLR, LambdaLR, or a SequentialLR of them): in sync mode it "
+    "advances once per swarm epoch, the same on every peer, and in diloco mode once per inner step."
+)
+
+
+def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before anything starts, an LR scheduler that a swarm cannot follow, saying what to use instead."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(PLATEAU_REFUSED)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ValueError(
+            f"HivemindStrategy steps torch.optim.lr_scheduler schedulers, not {type(scheduler).__name__}: write the "
+            "schedule as a torch.optim.lr_scheduler.LambdaLR of the step count")
+    if scheduler.optimizer is not optimizer:
+        raise ValueError(f"the LR scheduler {type(scheduler).__name__} schedules another optimizer than the module's")
+
+
+def schedule_per_inner_step(configs: list) -> list:
+    """Lightning's scheduler configs, each stepped after every optimizer step (a diloco peer's inner steps), whatever
+    interval and frequency the module asked for: the swarm's catch-up (round x H inner steps) counts in inner steps."""
+    per_step = []
+    for config in configs:
+        if (config.interval, config.frequency) != ("step", 1):
+            logger.info(f"The LR scheduler steps once per inner step in diloco mode, not per {config.frequency} "
+                        f"{config.interval}(s)")
+        per_step.append(dataclasses.replace(config, interval="step", frequency=1))
+    return per_step
+
+
+class _ScheduledGroups:
+    """Stands in for the module's optimizer under SwarmSchedule's copy of its scheduler: param groups with the
+    optimizer's hyperparameters and no parameters. Only the schedule changes them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.param_groups = [copy.deepcopy({key: value for key, value in group.items() if key != "params"})
+                             for group in optimizer.param_groups]
+        self.defaults = dict(optimizer.defaults)  # OneCycleLR and CyclicLR look up momentum or betas here
+        # torch warns when a schedule steps before its optimizer ever did (it wraps optimizer.step to know); these
+        # groups belong to no optimizer step at all
+        self._opt_called = True
+
+    def step(self) -> None:
+        """Torch's schedulers look for this method, marked as they mark an optimizer's step when they wrap it."""
+        raise RuntimeError("the scheduled groups of a SwarmSchedule hold hyperparameters only: nothing to step")
+
+    step._wrapped_by_lr_sched = True
+
+
+class SwarmSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """The module's LR scheduler as hivemind steps it: once per swarm epoch, on hivemind's own (inner) optimizer.
+
+    It runs a copy of the module's scheduler on stand-in param groups, and after every step writes their
+    hyperparameters (the LR, and momentum or betas where a cyclic schedule sets them) into the inner optimizer. The copy
+    must not work on the inner optimizer itself: when a peer loads the swarm's state, hivemind overwrites the inner
+    optimizer's param groups with another peer's (their learning rates at epoch k) and then steps the scheduler from
+    epoch 0 to k, and a recursive schedule (StepLR, MultiStepLR, ExponentialLR, LinearLR, CosineAnnealingLR: each step
+    scales the group's current LR) would then apply its k steps a second time. The stand-in groups only ever see the
+    schedule, so the LR at swarm epoch k is the schedule's k-th value on every peer, late joiners included: the swarm
+    epoch is the scheduler's whole state.
+    """
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer):
+        # No LRScheduler.__init__: it would take an initial step; the copy stands where the module's scheduler stands.
+        self.optimizer = optimizer
+        self.groups = _ScheduledGroups(scheduler.optimizer)
+        self.schedule = _copy_schedule(scheduler, scheduler.optimizer, self.groups, {})
+        self.last_epoch = 0  # swarm epochs stepped
+        self._step_count = 1  # hivemind steps while _step_count <= its epoch, as for a scheduler that took its first
+        self._apply()
+
+    def get_lr(self) -> list[Any]:
+        return [group["lr"] for group in self.groups.param_groups]
+
+    def step(self, epoch: Optional[int] = None) -> None:
+        if epoch is not None:
+            raise ValueError("a SwarmSchedule steps one swarm epoch at a time")
+        self.schedule.step()
+        self.last_epoch += 1
+        self._step_count += 1
+        self._apply()
+
+    def _apply(self) -> None:
+        for scheduled, group in zip(self.groups.param_groups, self.optimizer.param_groups, strict=True):
+            for key, value in scheduled.items():
+                if isinstance(group.get(key), torch.Tensor):
+                    group[key].fill_(value)  # a tensor hyperparameter (capturable, fused) keeps its identity
+                else:
+                    group[key] = copy.deepcopy(value)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The swarm epochs stepped, the module's scheduler's own state, and the hyperparameters it set."""
+        return dict(swarm_epochs=self.last_epoch, schedule=self.schedule.state_dict(),
+                    scheduled_groups=copy.deepcopy(self.groups.param_groups))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_epoch = state_dict["swarm_epochs"]
+        self._step_count = self.last_epoch + 1
+        self.schedule.load_state_dict(copy.deepcopy(state_dict["schedule"]))
+        for scheduled, saved in zip(self.groups.param_groups, state_dict["scheduled_groups"], strict=True):
+            scheduled.update(copy.deepcopy(saved))
+        self._apply()
+
+
+def _copy_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: Any, target: Any,
+                   copies: dict[int, Any]) -> torch.optim.lr_scheduler.LRScheduler:
+    """A copy of `scheduler` that schedules `target` instead of `optimizer`, with copies of its sub-schedulers
+    (SequentialLR, ChainedScheduler) pointed there too. Its state (counters, base LRs, phases, milestones) is copied;
+    what it only calls (LR lambdas, scale and anneal functions) is shared, and a method of the scheduler is bound to
+    the copy."""
+    duplicate = copy.copy(scheduler)
+    copies[id(scheduler)] = duplicate
+
+    def copied(value: Any) -> Any:
+        if value is optimizer:
+            return target
+        if id(value) in copies:
+            return copies[id(value)]
+        if isinstance(value, torch.optim.lr_scheduler.LRScheduler):
+            return _copy_schedule(value, optimizer, target, copies)
+        if isinstance(value, types.MethodType) and id(value.__self__) in copies:
+            return types.MethodType(value.__func__, copies[id(value.__self__)])
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if type(value) in (list, tuple):
+            return type(value)(copied(item) for item in value)
+        if type(value) is dict:
+            return {key: copied(item) for key, item in value.items()}
+        return value
+
+    duplicate.__dict__.update({name: copied(value) for name, value in vars(scheduler).items()})
+    return duplicate
 
 
 def copy_into_offloaded(inner: torch.optim.Optimizer, values: list[torch.Tensor]) -> None:
@@ -628,7 +805,7 @@ def wrap_optimizer(
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None,
     private_key: Optional[RSAPrivateKey] = None,
 ) -> hivemind.Optimizer:
-    """Rebuild a configured torch optimizer (and LambdaLR scheduler) inside a hivemind.Optimizer (see
+    """Rebuild a configured torch optimizer (and its LR scheduler) inside a hivemind.Optimizer (see
     optimizer_recipe). `private_key` signs this peer's progress records (default: the process's key; two peers in one
     process need one each)."""
     param_groups, make_optimizer, make_scheduler = optimizer_recipe(optimizer, scheduler)

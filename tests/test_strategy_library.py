@@ -9,8 +9,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain import DHTOptions, HivemindOptions, HivemindStrategy
+from hivetrain.strategy import wrap_optimizer
+from hivetrain.swarm import start_dht
 
 ROOT = Path(__file__).resolve().parent.parent
 README_SECTION = "## Your own LightningModule in a swarm"
@@ -125,3 +128,121 @@ def test_teardown_gives_back_what_the_strategy_replaced():
     (config,) = seen.trainer.lr_scheduler_configs
     assert config.scheduler.last_epoch == 3  # Lightning stepped the module's schedule at every step
     assert seen.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.9 ** 3)
+
+
+def _step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def _sequential(optimizer):
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.7),
+    ], milestones=[2])
+
+
+# Each builds a scheduler on an SGD optimizer with lr 0.1 and momentum 0.9; 5 swarm epochs cross their milestones,
+# warmups and cycles.
+SCHEDULES = {
+    "StepLR": _step_lr,
+    "MultiStepLR": lambda optimizer: torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[1, 3], gamma=0.3),
+    "ExponentialLR": lambda optimizer: torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8),
+    "CosineAnnealingLR": lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=4, eta_min=0.01),
+    "OneCycleLR": lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=8),
+    "LinearLR": lambda optimizer: torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.2, total_iters=3),
+    "LambdaLR": lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1 / (1 + epoch)),
+    "SequentialLR": _sequential,
+    "ChainedScheduler": lambda optimizer: torch.optim.lr_scheduler.ChainedScheduler(
+        [_step_lr(optimizer), torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)]),
+    "CyclicLR": lambda optimizer: torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.01, max_lr=0.1, step_size_up=2),
+}
+SWARM_EPOCHS = 5
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.SGD:
+    # two param groups, as modules that exempt biases from weight decay have
+    return torch.optim.SGD([dict(params=[model.weight], weight_decay=1e-4), dict(params=[model.bias])], lr=0.1,
+                           momentum=0.9)
+
+
+def _scheduled(groups) -> list[float]:
+    """The hyperparameters a schedule sets: each param group's LR and momentum."""
+    return [value for group in groups for value in (group["lr"], group["momentum"])]
+
+
+@pytest.fixture(scope="module")
+def two_dhts():
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    yield first, second
+    second.shutdown()
+    first.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_any_torch_schedule_follows_swarm_epochs(name, two_dhts):
+    """A peer's LR (and momentum, for the cyclic schedules) after k swarm epochs is the schedule's k-th value, as the
+    same scheduler stepped k times on a plain torch optimizer gives it; a peer that joins then and loads the swarm's
+    state has the same. (Before SwarmSchedule the joiner of a recursive schedule, StepLR say, applied the k steps a
+    second time on top of the learning rates it loaded.)"""
+    torch.set_num_threads(1)
+    make_schedule = SCHEDULES[name]
+    reference_optimizer = _sgd(torch.nn.Linear(4, 1))
+    reference = make_schedule(reference_optimizer)
+    expected = []  # after 0, 1, ..., k steps
+    for _ in range(SWARM_EPOCHS):
+        expected.append(_scheduled(reference_optimizer.param_groups))
+        reference_optimizer.step()
+        reference.step()
+    expected.append(_scheduled(reference_optimizer.param_groups))
+
+    batch = 8
+    options = HivemindOptions(run_id=f"test_schedule_{name}", target_batch_size=batch, batch_size=batch,
+                              matchmaking_time=0.5)
+    inputs = torch.randn(batch, 4, generator=torch.Generator().manual_seed(0))
+    peers = []
+    try:
+        model = torch.nn.Linear(4, 1)
+        optimizer = _sgd(model)
+        first = wrap_optimizer(options, two_dhts[0], optimizer, make_schedule(optimizer), RSAPrivateKey())
+        peers.append(first)
+        seen = {0: _scheduled(first.opt.param_groups)}  # swarm epoch: what the peer's inner optimizer had
+        for _ in range(4 * SWARM_EPOCHS):  # alone in the swarm, each step of the target batch ends a swarm epoch
+            if first.local_epoch == SWARM_EPOCHS:
+                break
+            first.zero_grad()
+            model(inputs).square().mean().backward()
+            first.step()
+            seen[first.local_epoch] = _scheduled(first.opt.param_groups)
+        assert seen == {epoch: pytest.approx(values) for epoch, values in enumerate(expected)}
+
+        joining_model = torch.nn.Linear(4, 1)
+        joining_optimizer = _sgd(joining_model)
+        joiner = wrap_optimizer(options, two_dhts[1], joining_optimizer, make_schedule(joining_optimizer),
+                                RSAPrivateKey())
+        peers.append(joiner)
+        joiner.load_state_from_peers()
+        assert joiner.local_epoch == SWARM_EPOCHS
+        assert _scheduled(joiner.opt.param_groups) == pytest.approx(expected[-1])
+        assert torch.equal(joining_model.weight, model.weight)  # it did load the swarm's state
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+class _PlateauRegression(_Regression):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=scheduler, monitor="train_loss"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_reduce_on_plateau_is_refused_with_what_to_use_instead(mode):
+    strategy = HivemindStrategy(
+        HivemindOptions(run_id=f"test_plateau_{mode}", target_batch_size=32, batch_size=16, mode=mode),
+        network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+    )
+    with pytest.raises(ValueError, match="cannot follow ReduceLROnPlateau.*Use a schedule of the step count"):
+        _fit(_PlateauRegression(), strategy, steps=2)
