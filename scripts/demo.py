@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
           f" {best['top5']:.1%}, loss {best['loss']:.3f} at swarm epoch {best['epoch']} (checkpoint"
           f" {result['best_checkpoint']}); {result['swarm_epochs']} swarm epochs ({result['mode']}) in"
           f" {result['wall_time_s']:.0f} s ({result['samples_per_s']:.0f} samples/s, {result['swarm_time_share']:.0%} of"
-          f" the peers' time in swarm rounds; DDP {ddp:.0f} samples/s); the two peers' weights differ by"
+          f" the peers' time in swarm rounds; while training {result['training_samples_per_s']:.0f} samples/s"
+          f" against DDP's {ddp:.0f}); the two peers' weights differ by"
           f" at most {result['max_weight_difference']:.2e}.\nWritten to {args.logbook} and {workdir}/result.json",
           flush=True)
     return 0
@@ -307,6 +308,8 @@ def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, lines
         target_batch_size=config.swarm.target_batch_size, batch_size=config.batch_size,
         swarm_epochs=swarm_epochs, wall_time_s=round(wall_time, 1), train_samples=sum(contributions.values()),
         samples_per_s=round(sum(contributions.values()) / wall_time, 1),
+        # as DDP's is measured: over training time, start-up and state download excluded (each peer's, summed)
+        training_samples_per_s=round(sum(p.samples / p.train_seconds for p in peers if p.train_seconds), 1),
         swarm_time_share=round(sum(shares) / len(shares), 3) if shares else None,
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
         validations=validations, best=best_validation, best_checkpoint=_shown(Path(best.uri)),
@@ -383,7 +386,8 @@ scikit-learn's 8x8 digits). CPU run on a small preset; {r['machine']}; {r['versi
 | swarm epochs ({'outer rounds' if r['mode'] == 'diloco' else 'optimizer steps'}) | {r['swarm_epochs']} |
 | wall time, first peer start to last peer exit | {r['wall_time_s']:.1f} s |
 | swarm throughput (samples the peers trained / wall time) | {r['samples_per_s']:.1f} samples/s |
-| DDP on the same cores at the same per-step batch | {r['ddp_samples_per_s']:.1f} samples/s (swarm: {r['samples_per_s'] / r['ddp_samples_per_s']:.2f}x) |
+| swarm throughput while training (each peer's samples / its training time, summed) | {r['training_samples_per_s']:.1f} samples/s |
+| DDP on the same cores at the same per-step batch (training time) | {r['ddp_samples_per_s']:.1f} samples/s (swarm while training: {r['training_samples_per_s'] / r['ddp_samples_per_s']:.2f}x) |
 | the peers' time in swarm rounds and state downloads | {share} |
 | training loss, first → last swarm epoch (peer1) | {r['first_loss']:.3f} → {r['last_loss']:.3f} |
 | best validation top-1 / top-5 ({best['samples']} held-out digits) | {best['top1']:.2%} / {best['top5']:.2%} at swarm epoch {best['epoch']} |

@@ -7,6 +7,7 @@ import time
 
 import hivemind
 import pytest
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
 from conftest import start_coordinator
@@ -21,7 +22,7 @@ MODES = {"sync": ("--mode", "sync"), "diloco": ("--mode", "diloco", "--inner-ste
 
 def _entries(dht: hivemind.DHT, key: str) -> list[tuple[object, float]]:
     """(value, expiration) of each subkey under `key`; a withdrawn record's value is None."""
-    found = dht.get(key, latest=True)
+    found = dht.get(key, latest=True, return_future=True).result(timeout=30)
     if found is None or not isinstance(found.value, dict):
         return []
     return [(entry.value, entry.expiration_time) for entry in found.value.values()]
@@ -54,7 +55,10 @@ def test_departed_peers_stop_counting(spawn, tmp_path, mode):
     progress_key = f"{RUN_ID}_progress"
     sharing_key = (f"{outer_state_prefix(RUN_ID)}.all_averagers" if mode == "diloco"
                    else f"{RUN_ID}_state_averager.all_averagers")
-    dht = hivemind.DHT(initial_peers=addresses, client_mode=True, start=True)
+    # RSASignatureValidator: the records are signed, and a reader without it cannot decode them (hivemind then never
+    # answers the read)
+    dht = hivemind.DHT(initial_peers=addresses, client_mode=True, record_validators=[RSASignatureValidator()],
+                       start=True)
     try:
         assert _live(dht, progress_key) == 3
 

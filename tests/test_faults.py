@@ -19,6 +19,7 @@ from pathlib import Path
 
 import hivemind
 import pytest
+from hivemind.dht.crypto import RSASignatureValidator
 import torch
 
 from conftest import Process
@@ -72,7 +73,7 @@ def _wait(condition, what: str, processes: list[Process], timeout: float = TIMEO
 
 def _live_records(dht: hivemind.DHT, key: str) -> int:
     """Entries under `key` that are not withdrawn (a leaving peer overwrites its own with None)."""
-    found = dht.get(key, latest=True)
+    found = dht.get(key, latest=True, return_future=True).result(timeout=30)
     return sum(entry.value is not None for entry in found.value.values()) if found and isinstance(found.value, dict) \
         else 0
 
@@ -140,7 +141,8 @@ def run(tmp_path_factory):
     try:
         first, addresses = start_coordinator("coordinator")
         facts["addresses"] = addresses
-        dhts.append(hivemind.DHT(initial_peers=addresses, client_mode=True, start=True))
+        dhts.append(hivemind.DHT(initial_peers=addresses, client_mode=True, start=True,
+                                 record_validators=[RSASignatureValidator()]))  # to decode the signed records
         progress_key = f"{get_preset('demo').run_id}_progress"
         a = spawn("a", "peers/join.py", "--host", host, *peer_args("a", "--min-peers", "2"))
         b = spawn("b", "peers/join.py", *peer_args("b"), prefix=net.exec_prefix if net else ())
