@@ -30,8 +30,9 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.record_guard import make_vetted_progress_tracker
@@ -93,8 +94,12 @@ class HivemindOptions:
     outer_momentum: float = 0.9
 
 
-class HivemindStrategy(Strategy):
+class HivemindStrategy(SingleDeviceStrategy):
     """Train with a hivemind swarm. Give it a running `dht` or `DHTOptions` to start one.
+
+    A peer is one process on one device (by default the current CUDA device where there is one, else the CPU): as
+    Lightning's SingleDeviceStrategy it is its own rank zero, so it logs and shows progress, and reductions, barriers
+    and broadcasts involve it alone. The swarm is hivemind's business, inside the optimizer step.
 
     The module brings one torch optimizer and at most one torch LR scheduler (any but ReduceLROnPlateau, which is
     refused at setup). How the scheduler advances:
@@ -121,62 +126,22 @@ class HivemindStrategy(Strategy):
         network: Optional[DHTOptions] = None,
         device: Optional[torch.device] = None,
     ):
-        super().__init__()
         if options.mode not in ("sync", "diloco"):
             raise ValueError(f"mode {options.mode!r} is not 'sync' or 'diloco'")
         if options.delay_grad_averaging and not options.delay_optimizer_step:
             raise ValueError("delay_grad_averaging requires delay_optimizer_step")
         if options.delay_optimizer_step and not options.offload_optimizer:
             raise ValueError("delay_optimizer_step requires offload_optimizer")
-        self.options = options
         self._owns_dht = dht is None
         self._network = network or DHTOptions()
         self.dht = dht if dht is not None else start_dht(self._network)
+        # after the DHT's process has forked: asking for the current CUDA device initialises CUDA in this process
+        super().__init__(device=device if device is not None else _default_device())
+        self.options = options
         self._dht_shut_down = False  # an own DHT goes at teardown; a later fit with this strategy starts a new one
-        self._device = device
         self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
         self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
-
-    # --- Lightning's single-process strategy contract -----------------------------------------------------------
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._device is not None:
-            return self._device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-    @property
-    def is_global_zero(self) -> bool:
-        return True  # every peer is its own rank zero: it logs and shows progress
-
-    @property
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
 
     # --- the swarm ----------------------------------------------------------------------------------------------
 
@@ -228,6 +193,7 @@ class HivemindStrategy(Strategy):
         """
         return _announce_and_count_peers(self.dht, self.tracker)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self._dht_shut_down:  # fit again after a fit: the strategy's own DHT went at that fit's teardown
             self.dht = start_dht(self._network)
@@ -281,6 +247,7 @@ class HivemindStrategy(Strategy):
         at r x H steps, so a late joiner, or a slow peer that took fewer inner steps, continues the swarm's schedule."""
         _advance_schedules(self.lr_scheduler_configs, self.rounds.round * self.options.inner_steps)
 
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.rounds is not None and output is not None:  # None: training_step returned None, nothing was trained
@@ -291,6 +258,7 @@ class HivemindStrategy(Strategy):
                 self._follow_swarm_schedule()
         return output
 
+    @override
     def teardown(self) -> None:
         # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
@@ -308,6 +276,10 @@ class HivemindStrategy(Strategy):
             self.dht.shutdown()
             self._dht_shut_down = True
         super().teardown()
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _keep_gradients(*args: Any, **kwargs: Any) -> None:
@@ -417,6 +389,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         self._own_sigterm_handler: Any = None  # the process's SIGTERM handler before Lightning's
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return dict(super().distributed_sampler_kwargs, seed=self.data_seed)
 
@@ -460,6 +433,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
 
     # --- Lightning ------------------------------------------------------------------------------------------------
 
+    @override
     def configure_ddp(self) -> None:
         # Rank 0 joins and loads the swarm's outer state before DDP wraps the model: DDP starts by broadcasting rank 0's
         # parameters to the others.
@@ -473,6 +447,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         self._round = self._broadcast_ints(self.rounds.round if self.rounds is not None else 0)[0]
         super().configure_ddp()
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
@@ -488,6 +463,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
         self._own_sigterm_handler = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
 
+    @override
     def on_train_start(self) -> None:
         # Lightning's SIGTERM handler forwards the signal to the other ranks and broadcasts from inside the handler:
         # wherever the signal lands, that broadcast pairs with another rank's next collective of this strategy or
@@ -496,6 +472,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         if self._own_sigterm_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._own_sigterm_handler)
 
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         trained = output is not None  # None: training_step returned None, nothing was trained
@@ -512,6 +489,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
             optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
         return output
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Rank 0 leaves early (Ctrl-C, SIGTERM, an error): the ranks it launched stop at once. Lightning would kill
         them only after its teardown, and its process observer, seeing them killed, would then kill this process
@@ -539,6 +517,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         torch.distributed.broadcast(tensor, src=0)
         return tensor.tolist()
 
+    @override
     def teardown(self) -> None:
         # The averager and tracker use the DHT, which belongs to the caller: they go, the DHT stays.
         if self.rounds is not None:
