@@ -38,7 +38,7 @@ DHT_READ_TIMEOUT = 10.0  # seconds a read of the DHT may take
 # Seconds a peer's records live in the DHT (its training progress, its offer to share state): one that dies without
 # a word stops counting this long after its last refresh. hivemind refreshes them at half their lifetime (its defaults,
 # 60 s and 30 s, kept a dead peer in the round target and among the state donors for up to a minute).
-RECORD_LIFETIME = 15.0
+RECORD_LIFETIME = 10.0
 LEAVE_TIMEOUT = 5.0  # seconds a leaving peer waits for the DHT to take its withdrawn records
 Record = TypeVar("Record", bound=BaseModel)
 
