@@ -205,7 +205,9 @@ class DiLoCoRounds:
             state_compression=state_compression, min_matchmaking_time=matchmaking_time,
             # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
             request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
-            declare_state_period=RECORD_LIFETIME,
+            # step(timeout=...) bounds only the search for a group: without this cap an all-reduce whose groupmate
+            # died mid-round waited forever (hivemind.Optimizer sets its averagers' cap to the averaging timeout too)
+            allreduce_timeout=averaging_timeout, declare_state_period=RECORD_LIFETIME,
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,

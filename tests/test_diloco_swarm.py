@@ -13,7 +13,7 @@ from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
 
-STOP_AT = 16
+STOP_AT = 32  # rounds take about 2 s here: the late joiner, up within ~10 s, still trains several
 DIES_AT = 3  # the outer round in which peer d dies
 DILOCO = ("--preset", "demo", "--mode", "diloco", "--inner-steps", "8")
 ROUND_LINE = re.compile(r"Outer round (\d+): (.+)$")
@@ -43,7 +43,7 @@ def diloco_run(tmp_path_factory):
             peers[name] = spawn(name, "peers/join.py", *common, "--name", name, "--min-peers", "3",
                                 "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"))
         peers["d"] = spawn("d", "tests/dying_peer.py", str(DIES_AT), *common, "--name", "d", "--min-peers", "3")
-        peers["a"].wait_for(r"^swarm epoch ([3-9]|\d\d) ", timeout=240)
+        peers["a"].wait_for(r"^swarm epoch ([1-9]|\d\d) ", timeout=240)  # c starts now, and joins rounds later
         peers["c"] = spawn("c", "peers/join.py", *common, "--name", "c", "--stop-at-epoch", str(STOP_AT),
                            "--save-weights", str(tmp / "c.safetensors"))
         codes = {name: peers[name].wait(timeout=300) for name in ("a", "b", "c")}
@@ -91,7 +91,7 @@ def test_a_peer_killed_mid_round_does_not_stop_the_others(diloco_run):
 def test_a_late_joiner_continues_from_the_swarms_round(diloco_run):
     _, _, peers, _, _ = diloco_run
     joined_at = int(peers["c"].wait_for(r"Starting at swarm epoch (\d+)", timeout=1).group(1))
-    assert joined_at >= 3
+    assert joined_at >= 1  # started after round 1: it took the swarm's round, not 0
     epochs_c = [int(m.group(1)) for line in peers["c"].lines if (m := re.match(r"swarm epoch (\d+) ", line))]
     assert epochs_c and joined_at < epochs_c[0] and epochs_c[-1] == STOP_AT
 
