@@ -83,7 +83,9 @@ def test_peers_train_in_rounds_and_hold_the_same_outer_parameters(diloco_run):
 def test_a_peer_killed_mid_round_does_not_stop_the_others(diloco_run):
     _, _, peers, codes, _ = diloco_run
     died = peers["d"].wait_for(r"Dying in outer round (\d+), stage RUNNING_ALLREDUCE", timeout=1)
-    assert int(died.group(1)) == DIES_AT and codes["d"] == -9
+    # killed mid-all-reduce in the first round it averaged from DIES_AT on (a round it spent alone or skipped by
+    # loading the swarm's state has no all-reduce to die in)
+    assert int(died.group(1)) >= DIES_AT and codes["d"] == -9
     epochs_a = [int(m.group(1)) for line in peers["a"].lines if (m := re.match(r"swarm epoch (\d+) ", line))]
     assert epochs_a[-1] == STOP_AT and epochs_a == sorted(epochs_a)
 
