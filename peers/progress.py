@@ -54,8 +54,7 @@ class SwarmProgress(pl.Callback):
             self._finish(trainer)
 
     def _finish(self, trainer: pl.Trainer) -> None:
-        self._measure_time(trainer)
-        self._publish(trainer, wait=True)  # the monitor sees every sample this peer contributed
+        self._publish(trainer, wait=True)  # the monitor sees every sample and second this peer contributed
 
     def _measure_time(self, trainer: pl.Trainer) -> None:
         if self._train_started is not None and trainer.strategy.tracker is not None:

@@ -83,6 +83,29 @@ class Process:
         self.kill()
 
 
+def record_reader(addresses: list[str]):
+    """A client DHT node that reads the swarm's records. RSASignatureValidator: the records are signed, and a reader
+    without it cannot decode them (hivemind then never answers the read)."""
+    import hivemind
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    return hivemind.DHT(initial_peers=addresses, client_mode=True, record_validators=[RSASignatureValidator()],
+                        start=True)
+
+
+def dht_entries(dht, key: str) -> list[tuple[object, float]]:
+    """(value, expiration) of each subkey under `key`; a withdrawn record's value is None."""
+    found = dht.get(key, latest=True, return_future=True).result(timeout=30)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [(entry.value, entry.expiration_time) for entry in found.value.values()]
+
+
+def live_entries(dht, key: str) -> int:
+    """Entries under `key` that are not withdrawn (a leaving peer overwrites its own with None)."""
+    return sum(value is not None for value, _ in dht_entries(dht, key))
+
+
 def assert_clean_error(process: Process, code: int, message: str) -> None:
     """Bad input: exit code 2, one line starting with "error:" that matches `message`, no traceback."""
     assert code == 2, process.lines

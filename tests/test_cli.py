@@ -4,11 +4,9 @@ import os
 import signal
 import time
 
-import hivemind
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 
-from conftest import Process, assert_clean_error, start_coordinator
+from conftest import Process, assert_clean_error, dht_entries, record_reader, start_coordinator
 from s3server import free_ports
 from hivetrain.config import get_preset
 from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions, fetch_run_config
@@ -137,26 +135,18 @@ def test_ctrl_c_leaves_the_swarm(spawn, tmp_path, mode):
     finally:
         signal.signal(signal.SIGINT, before)
     peer.wait_for(r"^First local step done", timeout=120)
-    reader = hivemind.DHT(initial_peers=addresses, client_mode=True, start=True,
-                          record_validators=[RSASignatureValidator()])  # to decode the signed records
+    reader = record_reader(addresses)
     try:
         progress = f"{get_preset('demo').run_id}_progress"
-        _wait_until(lambda: _progress_entries(reader, progress) == [True], "the peer's progress record")
+        _wait_until(lambda: [value is not None for value, _ in dht_entries(reader, progress)] == [True], "the peer's progress record")
         # A terminal's Ctrl-C reaches the whole process group: the peer and the DHT, averager and p2pd processes it
         # started. They outlive the peer's goodbye, which withdraws its progress record before it exits.
         os.killpg(peer.popen.pid, signal.SIGINT)
         assert peer.wait(timeout=60) == 0
         assert any(line == "Left the swarm." for line in peer.lines), peer.lines[-20:]
-        assert _progress_entries(reader, progress) == [False]
+        assert [value is not None for value, _ in dht_entries(reader, progress)] == [False]
     finally:
         reader.shutdown()
-
-
-def _progress_entries(dht, key: str) -> list[bool]:
-    """Whether each entry under hivemind's progress key is live (False: withdrawn by its peer)."""
-    found = dht.get(key, latest=True, return_future=True).result(timeout=30)
-    return [entry.value is not None for entry in found.value.values()] if found and isinstance(found.value, dict) \
-        else []
 
 
 def _wait_until(condition, what: str, timeout: float = 60) -> None:

@@ -5,12 +5,10 @@ others neither wait for it in a round's target nor ask it for the state. In both
 import re
 import time
 
-import hivemind
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from conftest import start_coordinator
+from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.diloco import outer_state_prefix
 from hivetrain.swarm import RECORD_LIFETIME
@@ -18,18 +16,6 @@ from hivetrain.swarm import RECORD_LIFETIME
 RUN_ID = get_preset("demo").run_id
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
 MODES = {"sync": ("--mode", "sync"), "diloco": ("--mode", "diloco", "--inner-steps", "4")}
-
-
-def _entries(dht: hivemind.DHT, key: str) -> list[tuple[object, float]]:
-    """(value, expiration) of each subkey under `key`; a withdrawn record's value is None."""
-    found = dht.get(key, latest=True, return_future=True).result(timeout=30)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [(entry.value, entry.expiration_time) for entry in found.value.values()]
-
-
-def _live(dht: hivemind.DHT, key: str) -> int:
-    return sum(value is not None for value, _ in _entries(dht, key))
 
 
 def _epoch_lines(process, since: int = 0) -> list[tuple[int, int]]:
@@ -55,28 +41,25 @@ def test_departed_peers_stop_counting(spawn, tmp_path, mode):
     progress_key = f"{RUN_ID}_progress"
     sharing_key = (f"{outer_state_prefix(RUN_ID)}.all_averagers" if mode == "diloco"
                    else f"{RUN_ID}_state_averager.all_averagers")
-    # RSASignatureValidator: the records are signed, and a reader without it cannot decode them (hivemind then never
-    # answers the read)
-    dht = hivemind.DHT(initial_peers=addresses, client_mode=True, record_validators=[RSASignatureValidator()],
-                       start=True)
+    dht = record_reader(addresses)
     try:
-        assert _live(dht, progress_key) == 3
+        assert live_entries(dht, progress_key) == 3
 
         # A clean leave (SIGTERM, as a notebook's stop button): c's records are withdrawn by the time it has exited.
         peers["c"].stop()
         assert peers["c"].popen.returncode == 0
-        assert _live(dht, progress_key) == 2
-        assert [value for value, _ in _entries(dht, progress_key)].count(None) == 1
-        assert [value for value, _ in _entries(dht, sharing_key)].count(None) == 1
+        assert live_entries(dht, progress_key) == 2
+        assert [value for value, _ in dht_entries(dht, progress_key)].count(None) == 1
+        assert [value for value, _ in dht_entries(dht, sharing_key)].count(None) == 1
 
         # Killed without a word: b's records were refreshed within their lifetime and lapse within it.
         peers["b"].kill()
         killed_at = get_dht_time()
-        assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in _entries(dht, progress_key))
-        assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in _entries(dht, sharing_key))
+        assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in dht_entries(dht, progress_key))
+        assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in dht_entries(dht, sharing_key))
         # ...and a goes on, alone once b's record has lapsed.
         since = len(peers["a"].lines)
         _wait_for_line(peers["a"], since, lambda epoch, peers_: peers_ == 1, timeout=RECORD_LIFETIME + 120)
-        assert _live(dht, progress_key) == 1
+        assert live_entries(dht, progress_key) == 1
     finally:
         dht.shutdown()

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import hivemind
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 import torch
 
-from conftest import Process
+from conftest import Process, live_entries, record_reader
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
@@ -76,13 +75,6 @@ def _wait(condition, what: str, processes: list[Process], timeout: float = TIMEO
         assert time.monotonic() < deadline, f"no {what} within {timeout} s; logs: {[str(p.log) for p in processes]}"
         time.sleep(0.2)
     return result
-
-
-def _live_records(dht: hivemind.DHT, key: str) -> int:
-    """Entries under `key` that are not withdrawn (a leaving peer overwrites its own with None)."""
-    found = dht.get(key, latest=True, return_future=True).result(timeout=30)
-    return sum(entry.value is not None for entry in found.value.values()) if found and isinstance(found.value, dict) \
-        else 0
 
 
 def _finite_weights(path: Path) -> bool:
@@ -148,8 +140,7 @@ def run(tmp_path_factory):
     try:
         first, addresses = start_coordinator("coordinator")
         facts["addresses"] = addresses
-        dhts.append(hivemind.DHT(initial_peers=addresses, client_mode=True, start=True,
-                                 record_validators=[RSASignatureValidator()]))  # to decode the signed records
+        dhts.append(record_reader(addresses))
         progress_key = f"{get_preset('demo').run_id}_progress"
         a = spawn("a", "peers/join.py", "--host", host, *peer_args("a", "--min-peers", "2"))
         b = spawn("b", "peers/join.py", *peer_args("b"), prefix=net.exec_prefix if net else ())
@@ -234,7 +225,7 @@ def run(tmp_path_factory):
         for process in (a, b):
             process.stop()
             exited = time.time()
-            facts["live_after_leaving"].append(_live_records(dhts[0], progress_key))
+            facts["live_after_leaving"].append(live_entries(dhts[0], progress_key))
             read_s.append(time.time() - exited)
         facts["codes"] = dict(a=a.popen.returncode, b=b.popen.returncode)
         rows.append(FaultRow("peer a leaves (SIGTERM), then b", epoch, max(read_s),
