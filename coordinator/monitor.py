@@ -34,14 +34,19 @@ class SwarmMonitor:
         now = time.time()
         records = read_peer_records(self.dht, self.config.run_id)
         progress = read_swarm_progress(self.dht, self.config.run_id)
+        # Seen, first seen and left by this look's clock, never by a peer's (its `time` may be anything: a record
+        # dated a century ahead would keep a peer "online" for ever and break every date shown).
         self.writer.upsert_peers([
             PeerRow(peer_id=r.peer_id, name=r.name, hardware=r.hardware, client_mode=r.client_mode, epoch=r.epoch,
-                    samples_per_second=r.samples_per_second, loss=r.loss, samples=r.samples,
-                    first_seen=min(r.time, now), last_seen=r.time, inner_steps=r.inner_steps,
-                    pseudo_gradient_norm=r.pseudo_gradient_norm, round_bytes=r.round_bytes,
-                    train_seconds=r.train_seconds, swarm_seconds=r.swarm_seconds)
+                    samples_per_second=r.samples_per_second, loss=r.loss, samples=r.samples, first_seen=now,
+                    last_seen=now, inner_steps=r.inner_steps, pseudo_gradient_norm=r.pseudo_gradient_norm,
+                    round_bytes=r.round_bytes, train_seconds=r.train_seconds, swarm_seconds=r.swarm_seconds,
+                    left_at=now if r.left else None, rounds_averaged=r.rounds_averaged, rounds_alone=r.rounds_alone,
+                    rounds_failed=r.rounds_failed)
             for r in records
         ])
+        self.writer.mark_left({r.peer_id for r in records}, now)  # killed or cut off: their records lapsed
+        records = [r for r in records if not r.left]
         # hivemind's records carry each peer's throughput as its optimizer measures it; ours back them up while a
         # peer has not published progress yet (hivemind waits for its first samples).
         samples_per_second = progress.samples_per_second or sum(r.samples_per_second for r in records)

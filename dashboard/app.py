@@ -26,13 +26,15 @@ from hivetrain.metrics_store import (CheckpointRow, MetricsReader, PeerRow, RunI
 from hivetrain.records import RunRecord, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
-# Peers refresh their DHT record every 5 s and it expires after 30 s: within 30 s a peer is surely there. Up to
-# 120 s it may only be slow to reach (a busy machine, the coordinator's own polling), after that it has left.
+# A peer that left is marked so by the coordinator's first look without it ("left"). Until then: peers refresh their
+# DHT record every 5 s and it lapses after 15 s, the coordinator looks every 10 s: within 30 s a peer is surely there.
+# Up to 120 s it may only be slow to reach (a busy machine, a coordinator that stopped looking), after that it is gone.
 ONLINE_S = 30
 STALE_S = 120
 PEER_COLUMNS = ["name", "peer", "hardware", "client mode", "samples/s", "contributed", "in swarm rounds", "last seen",
                 "last seen (UTC)", "state"]
-DILOCO_COLUMNS = ["inner steps", "pseudo-gradient norm", "MB per round"]  # what diloco peers report besides
+# what diloco peers report besides
+DILOCO_COLUMNS = ["inner steps", "pseudo-gradient norm", "MB per round", "rounds averaged / alone / failed"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,7 +66,9 @@ def utc(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def peer_state(last_seen: float, now: float) -> str:
+def peer_state(last_seen: float, now: float, left_at: float | None = None) -> str:
+    if left_at is not None:
+        return "left"
     age = now - last_seen
     return "online" if age <= ONLINE_S else "stale" if age <= STALE_S else "gone"
 
@@ -93,9 +97,15 @@ def peer_rows(peers: list[PeerRow], now: float) -> list[dict]:
              "client mode": "yes" if p.client_mode else "no", "samples/s": round(p.samples_per_second, 1),
              "contributed": p.samples, "in swarm rounds": _share(p.swarm_seconds, p.train_seconds),
              "last seen": ago(now - p.last_seen), "last seen (UTC)": utc(p.last_seen),
-             "state": peer_state(p.last_seen, now), "inner steps": p.inner_steps,
+             "state": peer_state(p.last_seen, now, p.left_at), "inner steps": p.inner_steps,
              "pseudo-gradient norm": None if p.pseudo_gradient_norm is None else round(p.pseudo_gradient_norm, 4),
-             "MB per round": None if p.round_bytes is None else round(p.round_bytes / 1e6, 1)} for p in peers]
+             "MB per round": None if p.round_bytes is None else round(p.round_bytes / 1e6, 1),
+             "rounds averaged / alone / failed": _rounds(p)} for p in peers]
+
+
+def _rounds(p: PeerRow) -> str | None:
+    counts = (p.rounds_averaged, p.rounds_alone, p.rounds_failed)
+    return None if None in counts else " / ".join(map(str, counts))
 
 
 def _share(part: float | None, whole: float | None) -> str | None:

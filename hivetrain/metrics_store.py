@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Iterator, Self, TextIO, TypeVar
 from urllib.parse import quote
 
-# 2: the peers' diloco figures (inner steps, pseudo-gradient norm, bytes per round); 3: their training and swarm time
-SCHEMA_VERSION = 3
+# 2: the peers' diloco figures (inner steps, pseudo-gradient norm, bytes per round); 3: their training and swarm time;
+# 4: when the monitor saw a peer leave, and its diloco rounds (averaged, alone, failed)
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT = 5.0  # seconds a connection waits for a lock held by the other side
 T = TypeVar("T")
 
@@ -25,7 +26,8 @@ SCHEMA = [
     " config_json TEXT, join_command TEXT, coordinator_peer_id TEXT, started REAL)",
     "CREATE TABLE IF NOT EXISTS peers (peer_id TEXT PRIMARY KEY, name TEXT, hardware TEXT, client_mode INTEGER,"
     " epoch INTEGER, samples_per_second REAL, loss REAL, samples INTEGER, first_seen REAL, last_seen REAL,"
-    " inner_steps INTEGER, pseudo_gradient_norm REAL, round_bytes INTEGER, train_seconds REAL, swarm_seconds REAL)",
+    " inner_steps INTEGER, pseudo_gradient_norm REAL, round_bytes INTEGER, train_seconds REAL, swarm_seconds REAL,"
+    " left_at REAL, rounds_averaged INTEGER, rounds_alone INTEGER, rounds_failed INTEGER)",
     "CREATE TABLE IF NOT EXISTS snapshots (time REAL, epoch INTEGER, alive_peers INTEGER, clients INTEGER,"
     " samples_per_second REAL, samples_accumulated INTEGER, target_batch_size INTEGER, eta_seconds REAL,"
     " mean_loss REAL)",
@@ -77,6 +79,11 @@ class PeerRow:
     round_bytes: int | None = None  # diloco: bytes it sent in its last round (estimated)
     train_seconds: float | None = None  # wall time since its first local step
     swarm_seconds: float | None = None  # of which in swarm rounds and state downloads
+    # unix time of the first look that found the peer gone (it said goodbye, or its record lapsed); None while it is in
+    left_at: float | None = None
+    rounds_averaged: int | None = None  # diloco: outer rounds it averaged with others,
+    rounds_alone: int | None = None  # found no one to average with,
+    rounds_failed: int | None = None  # or whose all-reduce failed
 
 
 @dataclass
@@ -209,12 +216,21 @@ class MetricsWriter(_Closing):
             db.execute(_insert("run", RunInfo), _values(info))
 
     def upsert_peers(self, rows: list[PeerRow]) -> None:
-        """Keyed by peer_id; a peer seen before keeps its earliest first_seen, everything else is replaced."""
+        """Keyed by peer_id; a peer seen before keeps its earliest first_seen and, while its goodbye lingers, the
+        time it left; everything else is replaced (a peer back under the same ID is in again)."""
         updates = ", ".join(f"{f.name} = excluded.{f.name}" for f in fields(PeerRow)
-                            if f.name not in ("peer_id", "first_seen"))
+                            if f.name not in ("peer_id", "first_seen", "left_at"))
         with self._transaction() as db:
             db.executemany(f"{_insert('peers', PeerRow)} ON CONFLICT (peer_id) DO UPDATE SET {updates},"
-                           " first_seen = min(first_seen, excluded.first_seen)", [_values(row) for row in rows])
+                           " first_seen = min(first_seen, excluded.first_seen),"
+                           " left_at = CASE WHEN excluded.left_at IS NULL THEN NULL"
+                           " ELSE coalesce(left_at, excluded.left_at) END", [_values(row) for row in rows])
+
+    def mark_left(self, present: set[str], at: float) -> None:
+        """Every peer not in `present` that was in at the last look left at `at` (or its record lapsed before)."""
+        with self._transaction() as db:
+            db.execute(f"UPDATE peers SET left_at = ? WHERE left_at IS NULL AND peer_id NOT IN"
+                       f" ({', '.join('?' * len(present))})", (at, *present))
 
     def add_snapshot(self, snapshot: SwarmSnapshot) -> None:
         with self._transaction() as db:

@@ -25,7 +25,10 @@ from hivetrain.swarm import DHT_READ_TIMEOUT, read_records
 
 logger = logging.getLogger(__name__)
 
-PEER_RECORD_TTL = 30.0  # seconds a record lives: a peer that stops refreshing leaves the live view this fast
+# Seconds a record lives: a peer that stops refreshing (killed, cut off) leaves the live view this fast; a peer that
+# leaves cleanly says so in its last record at once. Refreshed three times per lifetime, from a thread of its own
+# (peers.progress), so that a peer busy in a long round does not drop out of the view.
+PEER_RECORD_TTL = 15.0
 PUBLISH_EVERY = 5.0  # seconds between a peer's records
 
 
@@ -46,6 +49,11 @@ class PeerRecord(BaseModel):
     # wall time since its first local step, and of that the time in swarm rounds and state downloads (None before)
     train_seconds: Optional[confloat(ge=0.0, strict=True)] = None
     swarm_seconds: Optional[confloat(ge=0.0, strict=True)] = None
+    # diloco: its outer rounds so far, averaged with others, alone (no one to average with), failed (None in sync runs)
+    rounds_averaged: Optional[conint(ge=0, strict=True)] = None
+    rounds_alone: Optional[conint(ge=0, strict=True)] = None
+    rounds_failed: Optional[conint(ge=0, strict=True)] = None
+    left: Optional[StrictBool] = None  # True in a leaving peer's last record: count it out now, not when it lapses
 
 
 class _MetricsSchema(BaseModel):

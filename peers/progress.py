@@ -1,5 +1,6 @@
 """What a peer shows while it trains and tells the swarm: one line per swarm epoch, a metrics record every few seconds
-(hivetrain.telemetry), and the stop-at-epoch rule.
+(hivetrain.telemetry) from a thread of its own, so that a peer blocked in a long swarm round stays in the live view,
+a last record that says it left, and the stop-at-epoch rule.
 
 A peer on several devices (DiLoCoDDPStrategy) runs this callback on every rank: only global rank zero prints and
 publishes, while every rank waits for the peers and applies the stop rule, so that all ranks stop at the same step."""
@@ -7,6 +8,7 @@ publishes, while every rank waits for the peers and applies the stop rule, so th
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Any, Optional
 
@@ -34,6 +36,8 @@ class SwarmProgress(pl.Callback):
         self.swarm_seconds = 0.0  # of which in swarm rounds and state downloads (SwarmOptimizer.swarm_seconds)
         self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
         self._train_started: Optional[float] = None
+        self._publishing = threading.Lock()  # the training thread's last record and the publishing thread's
+        self._stop_publishing = threading.Event()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._wait_for_peers(trainer)
@@ -44,17 +48,30 @@ class SwarmProgress(pl.Callback):
             print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
         self._published = (time.monotonic(), 0)
         self._publish(trainer)
+        if trainer.is_global_zero:
+            threading.Thread(target=self._keep_publishing, args=(trainer,), name="SwarmProgress publisher",
+                             daemon=True).start()
         self._maybe_stop(trainer)
+
+    def _keep_publishing(self, trainer: pl.Trainer) -> None:
+        while not self._stop_publishing.wait(self.publish_every):
+            try:
+                self._publish(trainer, periodic=True)
+            except Exception as e:  # a record that could not be built or sent now: the next one may be
+                print(f"Could not publish this peer's metrics: {type(e).__name__}: {e}", flush=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_publishing.set()
         if isinstance(exception, KeyboardInterrupt):  # Ctrl-C or SIGTERM: Lightning skips on_train_end then
             self._finish(trainer)
 
     def _finish(self, trainer: pl.Trainer) -> None:
-        self._publish(trainer, wait=True)  # the monitor sees every sample and second this peer contributed
+        self._stop_publishing.set()
+        # the monitor sees every sample and second this peer contributed, and counts it out at its next look
+        self._publish(trainer, wait=True, left=True)
 
     def _measure_time(self, trainer: pl.Trainer) -> None:
         if self._train_started is not None and trainer.strategy.tracker is not None:
@@ -70,9 +87,8 @@ class SwarmProgress(pl.Callback):
         self.samples += self.batch_size
         if isinstance(outputs, dict) and "loss" in outputs:  # rank zero's own loss on a peer with several devices
             self._losses.append(float(outputs["loss"]))
-            self._recent_losses.append(self._losses[-1])
-        if time.monotonic() - self._published[0] >= self.publish_every:
-            self._publish(trainer)
+            with self._publishing:
+                self._recent_losses.append(self._losses[-1])
         epoch = trainer.strategy.local_epoch
         if epoch != self.epoch:
             now = time.monotonic()
@@ -89,34 +105,42 @@ class SwarmProgress(pl.Callback):
         bar = trainer.progress_bar_callback
         bar.print(line) if bar is not None else print(line, flush=True)
 
-    def _publish(self, trainer: pl.Trainer, wait: bool = False) -> None:
+    def _publish(self, trainer: pl.Trainer, wait: bool = False, left: bool = False, periodic: bool = False) -> None:
         if not trainer.is_global_zero:  # the other ranks of a peer on several devices never touch the swarm
             return
-        now = time.monotonic()
-        since, samples_then = self._published
-        losses = self._recent_losses
+        with self._publishing:  # held to the store: the goodbye is the last record, never overtaken by a periodic one
+            if periodic and self._stop_publishing.is_set():
+                return
+            self._publish_locked(trainer, wait, left)
+
+    def _publish_locked(self, trainer: pl.Trainer, wait: bool, left: bool) -> None:
+        now, samples = time.monotonic(), self.samples
+        (since, samples_then), losses = self._published, self._recent_losses
+        self._published, self._recent_losses = (now, samples), []
         self._measure_time(trainer)
         rounds, diloco = trainer.strategy.rounds, {}  # diloco: what the dashboard shows of each peer's rounds
         if rounds is not None:
             diloco = dict(inner_steps=rounds.inner_steps_since_round,
                           pseudo_gradient_norm=rounds.outer.last_pseudo_gradient_norm,
-                          round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None)
+                          round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None,
+                          rounds_averaged=rounds.rounds_averaged, rounds_alone=rounds.rounds_alone,
+                          rounds_failed=rounds.rounds_failed)
         record = PeerRecord(
             peer_id=trainer.strategy.dht.peer_id.to_base58(),
             name=self.name,
             hardware=self.hardware,
             client_mode=self.client_mode,
             epoch=trainer.strategy.local_epoch,
-            samples_per_second=(self.samples - samples_then) / max(now - since, 1e-6),
+            samples_per_second=(samples - samples_then) / max(now - since, 1e-6),
             loss=finite_or_none(sum(losses) / len(losses)) if losses else None,
-            samples=self.samples,
+            samples=samples,
             time=time.time(),
             train_seconds=float(self.train_seconds) if self._train_started is not None else None,
             swarm_seconds=float(self.swarm_seconds) if self._train_started is not None else None,
+            left=True if left else None,
             **diloco,
         )
         publish_peer_record(trainer.strategy.dht, trainer.strategy.options.run_id, record, wait=wait)
-        self._published, self._recent_losses = (now, self.samples), []
 
     def _wait_for_peers(self, trainer: pl.Trainer) -> None:
         """A peer alone takes whole swarm epochs by itself, at full local speed: with --min-peers it waits for others

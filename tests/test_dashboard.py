@@ -135,6 +135,8 @@ def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tm
     fast, slow = peer("alpha", 900, 3), peer("bravo", 300, 4)
     fast.inner_steps, fast.pseudo_gradient_norm, fast.round_bytes = 23, 0.4172, 4_000_000
     slow.inner_steps, slow.pseudo_gradient_norm, slow.round_bytes = 7, 0.3001, 4_000_000
+    fast.rounds_averaged, fast.rounds_alone, fast.rounds_failed = 3, 1, 0
+    slow.left_at = time.time() - 2  # the coordinator's last look found it gone
     write_run(store, [fast, slow], [0.5, 0.7], config=config)
     at = run_app(monkeypatch, store, tmp_path)
 
@@ -145,6 +147,8 @@ def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tm
     assert dict(zip(table["name"], table["inner steps"])) == {"alpha": 23, "bravo": 7}
     assert dict(zip(table["name"], table["pseudo-gradient norm"])) == {"alpha": 0.4172, "bravo": 0.3001}
     assert list(table["MB per round"]) == [4.0, 4.0]
+    assert list(table["rounds averaged / alone / failed"].fillna("-")) == ["3 / 1 / 0", "-"]  # bravo: none reported
+    assert dict(zip(table["name"], table["state"])) == {"alpha": "online", "bravo": "left"}
 
 
 def test_validation_against_wall_time(monkeypatch, tmp_path):
@@ -221,6 +225,7 @@ def test_peer_state_boundaries():
     now = 1_000_000.0
     assert [app.peer_state(now - age, now) for age in (0, 30, 30.5, 120, 120.5, 10_000)] == [
         "online", "online", "stale", "stale", "gone", "gone"]
+    assert app.peer_state(now, now, left_at=now - 1) == "left"  # the monitor saw it leave: its last record is fresh
 
 
 def test_human_size():
@@ -230,3 +235,63 @@ def test_human_size():
 
 def test_utc():
     assert app.utc(0) == "1970-01-01 00:00:00 UTC"
+
+
+# --- hostile but well-formed peer records -------------------------------------------------------------------------
+
+HOSTILE_TEXT = "<script>alert(1)</script> **bold** | a | table |\n# heading \x1b[31m\u202eevil\u0000 " * 400  # 26 kB: two fit the 64-KiB cap
+INT64_MAX = 2**63 - 1
+
+
+def hostile_records() -> list[dict]:
+    """Records every reader accepts (signed, of the schema, finite numbers, 64-bit integers, under the size cap) with
+    the most awkward values a peer may choose: what the coordinator stores and the dashboard shows as they are."""
+    now = time.time()
+    base = dict(peer_id="QmHostile", name="hostile", hardware="cpu", client_mode=False, epoch=3,
+                samples_per_second=1.0, loss=1.0, samples=1, time=now)
+    return [
+        {**base, "peer_id": "Qm-markup", "name": HOSTILE_TEXT, "hardware": HOSTILE_TEXT},
+        {**base, "peer_id": "", "name": ""},
+        {**base, "peer_id": "Qm-huge", "epoch": INT64_MAX, "samples": INT64_MAX, "samples_per_second": 1e308,
+         "loss": 1e308, "train_seconds": 0.0, "swarm_seconds": 1e308, "inner_steps": INT64_MAX,
+         "pseudo_gradient_norm": 1e308, "round_bytes": INT64_MAX, "rounds_averaged": INT64_MAX, "rounds_alone": 0,
+         "rounds_failed": INT64_MAX},
+        {**base, "peer_id": "Qm-negative", "loss": -1e308, "samples_per_second": 0.0},
+        {**base, "peer_id": "Qm-future", "time": 1e300},
+        {**base, "peer_id": "Qm-past", "time": -1e300},
+        {**base, "peer_id": "Qm-epoch", "time": 0.0, "left": True},
+    ]
+
+
+def test_the_coordinator_stores_and_the_dashboard_shows_hostile_well_formed_records(monkeypatch, tmp_path):
+    import hivemind
+
+    from coordinator.monitor import SwarmMonitor
+    from hivetrain.record_guard import parse_entry
+    from hivetrain.telemetry import PeerRecord, publish_peer_record
+
+    config = get_preset("demo")
+    config = config.replace(swarm=dataclasses.replace(config.swarm, mode="diloco"))
+    records = [PeerRecord(**fields) for fields in hostile_records()]
+    assert all(parse_entry(PeerRecord, record.dict()) == (record, None) for record in records)  # readers take them
+    store = tmp_path / "metrics.sqlite"
+    write_run(store, [], [0.5], config=config)
+    peer = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    coordinator = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                               initial_peers=[str(a) for a in peer.get_visible_maddrs()])
+    try:
+        with MetricsWriter(store) as writer:
+            monitor = SwarmMonitor(coordinator, config, writer)
+            for record in records:  # one signing key in this process: one record at a time, each its own store row
+                publish_peer_record(peer, config.run_id, record, wait=True)
+                assert monitor.refresh().alive_peers == (0 if record.left else 1), record.peer_id
+    finally:
+        coordinator.shutdown()
+        peer.shutdown()
+
+    at = run_app(monkeypatch, store, tmp_path)
+    table = at.dataframe[0].value
+    assert sorted(table["peer"]) == sorted(r.peer_id[:8] + "…" for r in records)
+    assert HOSTILE_TEXT in list(table["name"])  # shown as text, whole
+    assert set(table["state"]) <= {"online", "stale", "gone", "left"}
+    assert dict(zip(table["peer"], table["state"]))["Qm-epoch…"] == "left"

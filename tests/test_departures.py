@@ -12,6 +12,7 @@ from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.diloco import outer_state_prefix
 from hivetrain.swarm import RECORD_LIFETIME
+from hivetrain.telemetry import PEER_RECORD_TTL, metrics_key
 
 RUN_ID = get_preset("demo").run_id
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
@@ -51,12 +52,16 @@ def test_departed_peers_stop_counting(spawn, tmp_path, mode):
         assert live_entries(dht, progress_key) == 2
         assert [value for value, _ in dht_entries(dht, progress_key)].count(None) == 1
         assert [value for value, _ in dht_entries(dht, sharing_key)].count(None) == 1
+        # its last metrics record says it left: the coordinator and the dashboard count it out at their next look
+        assert [value["name"] for value, _ in dht_entries(dht, metrics_key(RUN_ID)) if value.get("left")] == ["c"]
 
         # Killed without a word: b's records were refreshed within their lifetime and lapse within it.
         peers["b"].kill()
         killed_at = get_dht_time()
         assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in dht_entries(dht, progress_key))
         assert all(expiration <= killed_at + RECORD_LIFETIME + 1 for _, expiration in dht_entries(dht, sharing_key))
+        metrics = dht_entries(dht, metrics_key(RUN_ID))
+        assert all(expiration <= killed_at + PEER_RECORD_TTL + 1 for _, expiration in metrics)
         # ...and a goes on, alone once b's record has lapsed.
         since = len(peers["a"].lines)
         _wait_for_line(peers["a"], since, lambda epoch, peers_: peers_ == 1, timeout=RECORD_LIFETIME + 120)

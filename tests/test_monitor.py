@@ -61,6 +61,33 @@ def test_records_reach_the_monitor_and_malformed_ones_are_skipped(tmp_path):
             dht.shutdown()
 
 
+def test_a_peer_that_says_goodbye_or_lapses_is_counted_out_and_marked_left(tmp_path):
+    peer = _dht()
+    coordinator = _dht(peer)
+    try:
+        with MetricsWriter(tmp_path / "metrics.sqlite") as writer, MetricsReader(tmp_path / "metrics.sqlite") as reader:
+            monitor = SwarmMonitor(coordinator, CONFIG, writer)
+
+            def look() -> tuple[int, list]:
+                snapshot = monitor.refresh()
+                return snapshot.alive_peers, [(p.name, p.samples, p.left_at is not None) for p in reader.peers()]
+
+            # killed: no goodbye, its record lapses (a short lifetime here; the DHT keeps the record expiring last)
+            publish_peer_record(peer, CONFIG.run_id, _record("alice", 576), ttl=2.0, wait=True)
+            assert look() == (1, [("alice", 576, False)])
+            time.sleep(2.5)
+            assert look() == (0, [("alice", 576, True)])
+            # the same peer back (a restart with its identity): in again
+            publish_peer_record(peer, CONFIG.run_id, _record("alice", 640), wait=True)
+            assert look() == (1, [("alice", 640, False)])
+            # a clean leave: the last record carries the last samples and says so; counted out at the next look
+            publish_peer_record(peer, CONFIG.run_id, _record("alice", 704, left=True), wait=True)
+            assert look() == (0, [("alice", 704, True)])
+    finally:
+        coordinator.shutdown()
+        peer.shutdown()
+
+
 class FlakyHolder:
     """A StateHolder whose downloads fail `failures` times (like a peer dropping the stream), then succeed."""
 
