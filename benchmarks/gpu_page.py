@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hivetrain.logbook import fmt_bytes, fmt_percent, fmt_seconds
+from hivetrain.formatting import fmt_bytes, fmt_percent, fmt_seconds
 
 PAGE_NAME = "gpu.md"
 SPEED_PLOT = "gpu-speed.png"

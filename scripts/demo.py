@@ -231,13 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.record_dir:
         record = _write_record(Path(args.record_dir), workdir, result, sampler, started_at,
                                " ".join(["python", *sys.argv]))
-        from hivetrain.logbook import build
+        from benchmarks.logbook import build
 
         # The committed baselines of the preset beside this run (the same folder when publishing).
         folders = list(dict.fromkeys([ROOT / "logbook" / "records", Path(args.record_dir).resolve()]))
         records, out = " ".join(_shown(folder) for folder in folders), _shown(Path(args.logbook).parent)
         pages = build(folders, Path(args.logbook).parent, "demo",
-                      f"python -m hivetrain.logbook build --records {records} --out {out}")
+                      f"python -m benchmarks.logbook build --records {records} --out {out}")
         print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
     best = result["best"]
     print(f"\nBest validation on {best['samples']} held-out digits: top-1 {best['top1']:.1%}, top-5"

@@ -1,4 +1,4 @@
-"""Benchmarks whose numbers land in the logbook: python -m hivetrain.bench SUITE [--smoke].
+"""Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke].
 
 Each suite starts real roles (coordinator/start.py, peers/join.py) as processes on loopback and measures them from
 their output, and writes its section of logbook/benchmarks.md with the machine, versions, commit and date.
@@ -880,7 +880,7 @@ def _verdict(met: bool, what: str) -> str:
 
 
 def _measured_by(suite: str, env: dict) -> str:
-    return (f"`python -m hivetrain.bench {suite}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python"
+    return (f"`python -m benchmarks.bench {suite}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python"
             f" {env['python']}, torch {env['torch']}, hivemind {env['hivemind']}).")
 
 
@@ -896,7 +896,7 @@ SUITES = {
 
 def write_section(name: str, section: str) -> None:
     """Replace suite `name`'s section of logbook/benchmarks.md (each section says which commit measured it)."""
-    header = ("# Benchmarks\n\nEach section is written by `python -m hivetrain.bench SUITE` and says which commit,"
+    header = ("# Benchmarks\n\nEach section is written by `python -m benchmarks.bench SUITE` and says which commit,"
               " machine and versions measured it.\n\n")
     sections = {}
     if PAGE.exists():
@@ -907,14 +907,14 @@ def write_section(name: str, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hivetrain.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest run (for the tests): prints its result and section, writes nothing")
     args = parser.parse_args(argv)
     run, section = SUITES[args.suite]
     env = _environment()
-    work = Path(tempfile.mkdtemp(prefix=f"hivetrain-bench-{args.suite}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{args.suite}-"))
     result = run(work, smoke=args.smoke)  # on a failure the roles' logs stay in `work`: the error names them
     print(json.dumps(result, indent=1))
     if args.smoke:  # the page and its plots are rendered into the scratch folder, then thrown away
