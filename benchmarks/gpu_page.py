@@ -164,7 +164,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         "",
         f"A coordinator and two peers of the `{swarm['preset']}` preset ({swarm['preset_note']}) on loopback, both"
         " peers on the same GPU: `" + swarm["coordinator_command"] + "` and, per peer, `" + swarm["peer_command"]
-        + "`. Samples/s adds both peers' rates, read from their `swarm epoch N | ... | this peer: S samples` lines"
+        + "`. Samples/s adds both peers' rates, read from their epoch events (`--events`)"
         " while both trained.",
         "",
     ]
