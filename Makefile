@@ -20,7 +20,7 @@ dashboard: $(VENV)/.installed
 	$(PY) -m dashboard.launch $(if $(STORE),--store $(STORE))
 
 bench: $(VENV)/.installed
-	$(PY) -m hivetrain.bench $(or $(SUITE),join)
+	$(PY) -m benchmarks.bench $(or $(SUITE),join)
 
 # The GPU proof (benchmarks/gpu_proof.py): logbook/gpu.md on a machine with a CUDA GPU, one line saying so elsewhere.
 # No install step: the GPU machines have no network and run it with their own python3 (hivemind from .whl/, see

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             " Several nodes: run the same command on every node with MASTER_ADDR, MASTER_PORT and NODE_RANK set"
             " (Lightning starts each node's --devices processes), or under torchrun or SLURM; baselines/README.md has"
             " the recipes, including 2 nodes simulated on one machine."
-            " Each run writes <record-dir>/<name>.json; python -m hivetrain.logbook build turns records into pages."
+            " Each run writes <record-dir>/<name>.json; python -m benchmarks.logbook build turns records into pages."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

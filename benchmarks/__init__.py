@@ -1,2 +1,3 @@
-"""Benchmark tools that are not part of the core package: `python -m benchmarks.gpu_proof` measures ViT-B/32 on a
-CUDA GPU (largest batch per precision, speed, memory, a swarm sharing the GPU) and writes logbook/gpu.md."""
+"""Measurements and the logbook, outside the core package (no role imports them): `python -m benchmarks.bench SUITE`
+measures real roles on loopback into logbook/benchmarks.md, `python -m benchmarks.logbook build` renders run records
+into pages, and `python -m benchmarks.gpu_proof` measures ViT-B/32 on a CUDA GPU and writes logbook/gpu.md."""

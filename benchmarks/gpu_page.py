@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hivetrain.logbook import fmt_bytes, fmt_percent, fmt_seconds
+from hivetrain.formatting import fmt_bytes, fmt_percent, fmt_seconds
 
 PAGE_NAME = "gpu.md"
 SPEED_PLOT = "gpu-speed.png"
@@ -164,7 +164,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         "",
         f"A coordinator and two peers of the `{swarm['preset']}` preset ({swarm['preset_note']}) on loopback, both"
         " peers on the same GPU: `" + swarm["coordinator_command"] + "` and, per peer, `" + swarm["peer_command"]
-        + "`. Samples/s adds both peers' rates, read from their `swarm epoch N | ... | this peer: S samples` lines"
+        + "`. Samples/s adds both peers' rates, read from their epoch events (`--events`)"
         " while both trained.",
         "",
     ]

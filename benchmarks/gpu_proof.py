@@ -11,7 +11,7 @@ and under 9 minutes in all on one H100:
 2. training and validation samples/s and peak GPU memory (torch.cuda.max_memory_allocated) at that batch on one GPU
    (benchmarks/gpu_speed.py), and with DDP on every GPU of the machine when it has 2 or more;
 3. a 2-peer swarm sharing the GPU in each swarm mode (`measure_swarm_modes`): coordinator/start.py and two
-   peers/join.py --device cuda, their samples/s read from the peers' epoch lines.
+   peers/join.py --device cuda, their samples/s read from the peers' epoch events.
 
 Every run is recorded: an NVML series of each GPU's utilisation and memory every second, nvidia-smi's CSV log, and
 raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION` text. The JSON record and those files go to
@@ -302,7 +302,7 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
     """benchmarks.gpu_speed at `batch` per GPU on `devices` GPUs; 1/8 smaller after an out-of-memory, up to
     OOM_RETRIES times (the search's trial holds a little less than a training loop does)."""
     from benchmarks.gpu_monitor import RunMonitor
-    from hivetrain.logbook import fmt_bytes
+    from hivetrain.formatting import fmt_bytes
 
     strategy = "single" if devices == 1 else "ddp"
     label = f"speed-{precision}-{strategy}{devices if devices > 1 else ''}"
@@ -357,7 +357,7 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
 
 
 def _coordinator_args() -> list[str]:
-    # What hivetrain.bench.start_coordinator passes (besides its --identity and --log-dir in a scratch folder).
+    # What benchmarks.bench.start_coordinator passes (besides its --identity and --log-dir in a scratch folder).
     return ["--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0", "--validate-every", "0"]
 
 
@@ -368,11 +368,11 @@ def _peer_args(minutes: float) -> list[str]:
 def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock: Clock) -> list[dict]:
     """A 2-peer swarm sharing the GPU in each swarm mode of `modes`: a coordinator of the digits-vit-b32 preset
     (`--validate-every 0`) and two `peers/join.py --device cuda --max-time MINUTES` on loopback, as
-    hivetrain.bench's run_swarm starts them; samples/s of both peers together from their
-    `swarm epoch N | ... | this peer: S samples` lines while both trained (hivetrain.bench.swarm_window).
+    benchmarks.bench's run_swarm starts them; samples/s of both peers together from their
+    epoch events (their cumulative samples) while both trained (benchmarks.bench.swarm_window).
     The roles' logs are kept in `artifacts`."""
     from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
-    from hivetrain.bench import run_swarm, swarm_window
+    from benchmarks.bench import run_swarm, swarm_window
 
     from hivetrain.config import SWARM_MODES
 

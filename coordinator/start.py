@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     watch.add_argument("--log-dir", default=None, metavar="DIR",
                        help="where the metrics store, TensorBoard events and checkpoints go (default: runs/<run-id>)")
     watch.add_argument("--store", default=None, metavar="FILE", help="the SQLite metrics store (default: <log-dir>/metrics.sqlite)")
+    watch.add_argument("--events", default=None, metavar="FILE",
+                       help="append what happens (serving at which addresses, each look at the swarm) as JSON lines,"
+                            " for benchmarks and tests")
     watch.add_argument("--validate-every", type=int, default=1, metavar="EPOCHS",
                        help="validate the shared model every this many swarm epochs (default: %(default)s; 0: never)")
     watch.add_argument("--val-limit", type=int, default=None, metavar="N", help="validate on the first N samples only (small machines)")
@@ -294,6 +297,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
 
     from coordinator.monitor import SwarmMonitor, Validator
     from coordinator.state import make_state_holder
+    from hivetrain.events import EventLog
     from hivetrain.metrics_store import RunInfo
     from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, raise_if_leaving, visible_addresses
 
@@ -305,6 +309,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         print("Only loopback addresses exist: volunteers can join from this machine only"
               " (use --host 0.0.0.0, or --announce with your public address).", flush=True)
     print(f"To join, run:\n  {command}", flush=True)
+    events = EventLog(args.events)
+    events("serving", run_id=config.run_id, initial_peers=addresses)
     if args.require_token:
         run_option = f" --run-id {config.run_id}" if args.run_id else ""
         print(f"Private run: each volunteer adds --token TOKEN, printed by\n  python coordinator/start.py issue-token"
@@ -341,9 +347,11 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                         refused, next_refusal_warning = 0, now + 60.0
                 next_publish = now + RUN_RECORD_TTL / 3
             if now >= next_refresh:
-                looked = time.perf_counter()
+                look_started = time.perf_counter()
                 snapshot = monitor.refresh()
-                print(status_line(snapshot, time.perf_counter() - looked), flush=True)
+                looked = time.perf_counter() - look_started
+                print(status_line(snapshot, looked), flush=True)
+                events("look", epoch=snapshot.epoch, seconds=looked)
                 if validation is not None and validation.ident is None:
                     validation.start()  # after the first look: it needs to know where the swarm is
                 next_refresh = now + args.refresh

@@ -20,7 +20,7 @@ import pandas as pd
 import streamlit as st
 
 from hivetrain.config import RunConfig
-from hivetrain.logbook import fmt_bytes, fmt_pct, fmt_seconds
+from hivetrain.formatting import fmt_bytes, fmt_pct, fmt_seconds
 from hivetrain.metrics_store import (CheckpointRow, MetricsReader, PeerRow, RunInfo, StoreError, StoreMissing,
                                      SwarmSnapshot, ValidationRow)
 from hivetrain.records import RunRecord, read_record

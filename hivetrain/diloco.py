@@ -191,7 +191,8 @@ class DiLoCoRounds:
     """A peer's side of DiLoCo: counts its inner steps' samples, and when a round is due, runs it and puts the new
     outer parameters into the model.
 
-    `swarm_seconds` adds up the wall time spent in rounds and state downloads (time outside compute)."""
+    `swarm_seconds` adds up the wall time spent in rounds and state downloads (time outside compute); `missed_rounds`
+    counts the rounds this peer did not average with the swarm (it missed one, or its all-reduce failed)."""
 
     def __init__(self, dht: DHT, run_id: str, parameters: Sequence[torch.nn.Parameter], inner_steps: int,
                  batch_size: int, outer_lr: float, outer_momentum: float, matchmaking_time: float,
@@ -215,7 +216,7 @@ class DiLoCoRounds:
         self.samples = 0  # trained since the last round
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.swarm_seconds = 0.0
-        self.rounds_averaged = self.rounds_alone = self.rounds_failed = 0
+        self.rounds_averaged = self.rounds_alone = self.rounds_failed = self.rounds_missed = 0
 
     @property
     def round(self) -> int:
@@ -224,6 +225,10 @@ class DiLoCoRounds:
     @property
     def num_peers(self) -> int:
         return self.tracker.global_progress.num_peers
+
+    @property
+    def missed_rounds(self) -> int:
+        return self.rounds_missed + self.rounds_failed
 
 
     def load_state_from_peers(self) -> bool:
@@ -255,6 +260,7 @@ class DiLoCoRounds:
         self.tracker.report_local_progress(self.outer.round, self.samples)
         if self.tracker.global_epoch > self.outer.round:
             logger.warning(f"Missed outer round {self.outer.round}: loading the swarm's state")
+            self.rounds_missed += 1
             self.load_state_from_peers()
             return True
         if not self.round_due:

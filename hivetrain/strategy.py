@@ -175,6 +175,12 @@ class HivemindStrategy(SingleDeviceStrategy):
         swarm = self.rounds or self.optimizer
         return swarm.swarm_seconds if swarm is not None else 0.0
 
+    @property
+    def missed_rounds(self) -> int:
+        """Swarm rounds this peer missed or could not average (it went on with its own step)."""
+        swarm = self.rounds or self.optimizer
+        return swarm.missed_rounds if swarm is not None else 0
+
     def load_state_from_peers(self) -> None:
         if self.rounds is not None:
             self.rounds.load_state_from_peers()
@@ -419,6 +425,10 @@ class DiLoCoDDPStrategy(DDPStrategy):
     def swarm_seconds(self) -> float:
         return self.rounds.swarm_seconds if self.rounds is not None else 0.0
 
+    @property
+    def missed_rounds(self) -> int:
+        return self.rounds.missed_rounds if self.rounds is not None else 0
+
     def load_state_from_peers(self) -> None:
         """Collective: rank 0 downloads the swarm's outer state, every rank continues from it."""
         if self.rounds is not None:
@@ -536,7 +546,8 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     `swarm_seconds` adds up the wall time this peer spent on the swarm rather than on its own batches: the steps that
     end a swarm epoch (waiting for a group, gradient all-reduce, the optimizer step, state averaging) and state
-    downloads. The benchmarks report it as the time outside compute.
+    downloads. The benchmarks report it as the time outside compute, and `missed_rounds`: the averaging rounds this
+    peer missed while others were there.
 
     Its averagers time matchmaking requests out well inside the matchmaking window. hivemind gives `averager_opts` to
     the state averager only, so the gradient averager kept a 3 s request timeout against a 1 s window: two peers that
@@ -544,6 +555,7 @@ class SwarmOptimizer(hivemind.Optimizer):
     """
 
     swarm_seconds = 0.0
+    missed_rounds = 0
     _make_progress_tracker = make_vetted_progress_tracker  # progress entries anyone wrote are untrusted input
 
     def _make_gradient_averager(self, factory, **kwargs):
@@ -601,6 +613,7 @@ class SwarmOptimizer(hivemind.Optimizer):
             # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
             # drift one epoch apart (where each peer's rounds come when the others are not looking).
             logger.warning("Missed the swarm's averaging round: loading its state instead of drifting")
+            self.missed_rounds += 1
             self.load_state_from_peers()
         return loss
 

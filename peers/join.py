@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out = parser.add_argument_group("output")
     out.add_argument("--save-weights", default=None, metavar="FILE",
                      help="write the final weights (safetensors) when leaving")
+    out.add_argument("--events", default=None, metavar="FILE",
+                     help="append what happens (state loaded, each swarm epoch, leaving) as JSON lines, for"
+                          " benchmarks and tests")
     out.add_argument("--progress-bar", choices=("auto", "on", "off"), default="auto",
                      help="auto (default): only when the output is a terminal")
     out.add_argument("--verbose", action="store_true",
@@ -261,6 +264,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     import torch
 
     from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.events import EventLog
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
     from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
@@ -325,9 +329,10 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         strategy = DiLoCoDDPStrategy(options, dht=dht, data_seed=data_seed)
         if speaks:  # the ranks Lightning launches inherit this process's environment
             os.environ[RANK_SETUP_ENV] = json.dumps(dict(config=config.to_dict(), data_seed=data_seed))
+    events = EventLog(args.events if speaks else None)
     progress = SwarmProgress(batch_size=batch_size * devices, name=name,
                              hardware=_describe_hardware(device, devices) if speaks else "", client_mode=client_mode,
-                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers)
+                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers, events=events)
     show_bar = speaks and (args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty()))
     trainer = pl.Trainer(
         accelerator=device,
@@ -360,6 +365,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
                    f" and state downloads" if progress.train_seconds else "")
     print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
           f" contributed {progress.samples} samples{swarm_share}.", flush=True)
+    events("left", epoch=progress.epoch, samples=progress.samples, train_seconds=progress.train_seconds,
+           swarm_seconds=progress.swarm_seconds, missed_rounds=progress.missed_rounds)
     if args.save_weights:
         save_weights(Path(args.save_weights), module.model, config, progress.epoch)
         print(f"Saved the weights to {args.save_weights}", flush=True)

@@ -1,6 +1,6 @@
 """What a peer shows while it trains and tells the swarm: one line per swarm epoch, a metrics record every few seconds
 (hivetrain.telemetry) from a thread of its own, so that a peer blocked in a long swarm round stays in the live view,
-a last record that says it left, and the stop-at-epoch rule.
+a last record that says it left, its events when asked (hivetrain.events), and the stop-at-epoch rule.
 
 A peer on several devices (DiLoCoDDPStrategy) runs this callback on every rank: only global rank zero prints and
 publishes, while every rank waits for the peers and applies the stop rule, so that all ranks stop at the same step."""
@@ -15,17 +15,19 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from hivetrain.events import EventLog
 from hivetrain.swarm import raise_if_leaving
 from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publish_peer_record
 
 
 class SwarmProgress(pl.Callback):
     def __init__(self, batch_size: int, name: str, hardware: str, client_mode: bool,
-                 stop_at_epoch: Optional[int] = None, min_peers: int = 1, publish_every: float = PUBLISH_EVERY):
+                 stop_at_epoch: Optional[int] = None, min_peers: int = 1, publish_every: float = PUBLISH_EVERY,
+                 events: EventLog = EventLog(None)):
         """`batch_size`: the samples this peer trains per local step, on all its devices together."""
         self.batch_size, self.stop_at_epoch = batch_size, stop_at_epoch
         self.name, self.hardware, self.client_mode = name, hardware, client_mode
-        self.min_peers, self.publish_every = min_peers, publish_every
+        self.min_peers, self.publish_every, self.events = min_peers, publish_every, events
         self.epoch = 0
         self.samples = 0  # samples this peer contributed
         self._epoch_started = time.monotonic()
@@ -35,17 +37,21 @@ class SwarmProgress(pl.Callback):
         self.train_seconds = 0.0  # wall time from the first step on
         self.swarm_seconds = 0.0  # of which in swarm rounds and state downloads (SwarmOptimizer.swarm_seconds)
         self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
+        self.missed_rounds = 0  # swarm rounds it missed or could not average
         self._train_started: Optional[float] = None
         self._publishing = threading.Lock()  # the training thread's last record and the publishing thread's
         self._stop_publishing = threading.Event()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:  # the strategy's setup has loaded the swarm's state
+            self.events("state_loaded", epoch=trainer.strategy.local_epoch)
         self._wait_for_peers(trainer)
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
         self._epoch_started = self._train_started = time.monotonic()
         self._swarm_seconds_before = trainer.strategy.swarm_seconds
         if trainer.is_global_zero:
             print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
+            self.events("training_started", epoch=self.epoch)
         self._published = (time.monotonic(), 0)
         self._publish(trainer)
         if trainer.is_global_zero:
@@ -77,6 +83,7 @@ class SwarmProgress(pl.Callback):
         if self._train_started is not None and trainer.strategy.tracker is not None:
             self.train_seconds = time.monotonic() - self._train_started
             self.swarm_seconds = trainer.strategy.swarm_seconds - self._swarm_seconds_before
+            self.missed_rounds = trainer.strategy.missed_rounds
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -84,6 +91,7 @@ class SwarmProgress(pl.Callback):
         speaks = trainer.is_global_zero
         if not self.samples and speaks:
             print(f"First local step done: contributing toward swarm epoch {trainer.strategy.local_epoch}", flush=True)
+            self.events("first_step", epoch=trainer.strategy.local_epoch)
         self.samples += self.batch_size
         if isinstance(outputs, dict) and "loss" in outputs:  # rank zero's own loss on a peer with several devices
             self._losses.append(float(outputs["loss"]))
@@ -100,6 +108,7 @@ class SwarmProgress(pl.Callback):
     def _print_epoch_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int, seconds: float) -> None:
         throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(seconds, 1e-6)
         loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
+        self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss))
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
                 f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
         bar = trainer.progress_bar_callback

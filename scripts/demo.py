@@ -14,43 +14,30 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.harness import ROOT, Process, run_baseline, start_coordinator, start_peer
 from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
 
-ROOT = Path(__file__).resolve().parent.parent
 # Local steps of 32 samples per peer between rounds: 2 peers x 16 x 32 = 1,024 samples per round, about a second of
 # compute per peer here against a round's fixed cost (matchmaking and the progress records), ~2 s on loopback.
 DEMO_INNER_STEPS = 16
+DDP_REFERENCE_STEPS = 100  # DDP's samples/s on the same cores at the peers' per-step batch, the swarm's reference
 OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Metrics|Joined run|Starting at|swarm epoch|validation at|"
                        r"best checkpoint|Leaving|Saved|Left|error)")
 
 
-def _stream(name: str, process: subprocess.Popen, log: Path, lines: list[str]) -> None:
-    """Keep the full output in a log file; show the lines meant for people, prefixed with who said them."""
-    with log.open("w") as out:
-        for line in process.stdout:
-            out.write(line)
-            out.flush()
-            lines.append(line)
-            if OUR_LINES.match(line):
-                print(f"[{name}] {line}", end="", flush=True)
-
-
-def _start(name: str, command: list[str], workdir: Path, lines: list[str]) -> subprocess.Popen:
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    threading.Thread(target=_stream, args=(name, process, workdir / f"{name}.log", lines), daemon=True).start()
-    return process
+def _show(name: str):
+    """Echo the lines meant for people, prefixed with who said them; the full output stays in the role's log."""
+    def show(line: str) -> None:
+        if OUR_LINES.match(line):
+            print(f"[{name}] {line}", end="", flush=True)
+    return show
 
 
 class PeerSampler(threading.Thread):
@@ -111,24 +98,14 @@ def _free_port(preferred: int) -> int:
         return sock.getsockname()[1]
 
 
-def _start_dashboard(workdir: Path, preferred_port: int) -> subprocess.Popen:
+def _start_dashboard(workdir: Path, preferred_port: int) -> Process:
     """The dashboard on the demo's metrics store; it shows "waiting for the coordinator" until the store exists."""
     from dashboard.launch import streamlit_command
 
     port = _free_port(preferred_port)
-    process = subprocess.Popen(streamlit_command(workdir / "metrics.sqlite", "127.0.0.1", port), cwd=ROOT,
-                               stdout=(workdir / "dashboard.log").open("w"), stderr=subprocess.STDOUT)
+    dashboard = Process(streamlit_command(workdir / "metrics.sqlite", "127.0.0.1", port)[1:], workdir / "dashboard.log")
     print(f"Dashboard: http://127.0.0.1:{port} (live peers, validation curve, checkpoints)", flush=True)
-    return process
-
-
-def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    return dashboard
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,44 +151,39 @@ def main(argv: list[str] | None = None) -> int:
     for previous in ("metrics.sqlite", "metrics.sqlite-wal", "metrics.sqlite-shm", "checkpoints", "tensorboard"):
         path = workdir / previous  # each demo is a run of its own: its best checkpoint must beat nothing older
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-    python = sys.executable
-    lines: dict[str, list[str]] = {name: [] for name in ("coordinator", "peer1", "peer2")}
     print(f"DDP on this machine for reference (2 processes, one thread each, {preset.batch_size} samples per step"
           f" each, as the peers)...", flush=True)
-    ddp = _ddp_reference(workdir, preset.batch_size)
-    if ddp is None:
+    try:  # its run record stays in the workdir (the logbook's baselines come from `baselines/run.py` runs)
+        ddp = run_baseline(workdir, "ddp-reference", [
+            "--strategy", "ddp", "--devices", "2", "--threads", "1", "--batch-size", str(preset.batch_size),
+            "--epochs", "1000", "--max-steps", str(DDP_REFERENCE_STEPS), "--val-limit", "0"])["samples_per_s"]
+    except RuntimeError as e:
+        print(f"error: the DDP reference run failed: {e}", file=sys.stderr)
         return 1
 
     rounds = f"rounds of {args.inner_steps} inner steps" if args.mode == "diloco" else "swarm epochs"
     print(f"HiveTrain demo: a coordinator and two peers on 127.0.0.1 train for {args.epochs} {rounds}"
           f" ({args.mode} mode). Full logs: {workdir}/", flush=True)
-    coordinator = _start("coordinator", [
-        python, "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port", "0",
-        "--identity", str(workdir / "coordinator.key"), "--refresh", "2", "--log-dir", str(workdir), *swarm_options,
-    ], workdir, lines["coordinator"])
-    peers: list[subprocess.Popen] = []
-    dashboard = _start_dashboard(workdir, args.dashboard_port)
+    roles: list[Process] = [_start_dashboard(workdir, args.dashboard_port)]
+    peers: list[Process] = []
     try:
-        deadline = time.monotonic() + 120
-        address = None
-        while address is None:
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                print("error: the coordinator did not start; see its log", file=sys.stderr)
-                return 1
-            found = [line for line in lines["coordinator"] if "peers/join.py --initial-peers" in line]
-            address = found[0].split("--initial-peers", 1)[1].split() if found else None
-            time.sleep(0.2)
+        try:
+            coordinator, address = start_coordinator(workdir, "coordinator", ["--refresh", "2", *swarm_options],
+                                                     log_dir=workdir, echo=_show("coordinator"))
+        except RuntimeError as e:
+            print(f"error: the coordinator did not start: {e}", file=sys.stderr)
+            return 1
+        roles.append(coordinator)
         started, started_unix = time.monotonic(), time.time()
         started_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         for i in (1, 2):
-            peers.append(_start(f"peer{i}", [
-                python, "peers/join.py", "--initial-peers", *address, "--host", "127.0.0.1", "--name", f"peer{i}",
-                "--threads", "1", "--min-peers", "2",
-                "--stop-at-epoch", str(args.epochs), "--save-weights", str(workdir / f"peer{i}.safetensors"),
-            ], workdir, lines[f"peer{i}"]))
-        sampler = PeerSampler([peer.pid for peer in peers])
+            peers.append(start_peer(workdir, f"peer{i}", address, [
+                "--host", "127.0.0.1", "--threads", "1", "--min-peers", "2", "--stop-at-epoch", str(args.epochs),
+                "--save-weights", str(workdir / f"peer{i}.safetensors")], echo=_show(f"peer{i}")))
+        roles += peers
+        sampler = PeerSampler([peer.popen.pid for peer in peers])
         sampler.start()
-        codes = [peer.wait() for peer in peers]
+        codes = [peer.wait(timeout=None) for peer in peers]
         wall_time = time.monotonic() - started
         sampler.stop()
         time.sleep(5)  # one more look of the monitor (every 2 s) records the peers' last records
@@ -219,25 +191,26 @@ def main(argv: list[str] | None = None) -> int:
         print("Stopping the demo.", flush=True)
         return 130
     finally:
-        for process in [*peers, coordinator, dashboard]:
-            _stop(process)
+        for role in reversed(roles):
+            role.stop()
     if any(codes):
         print(f"error: a peer failed (exit codes {codes}); see {workdir}/peer*.log", file=sys.stderr)
         return 1
-    result = _measure(workdir, args.mode, args.inner_steps, wall_time, lines, started_unix)
+    losses = [event["loss"] for event in peers[0].events("epoch") if event["loss"] is not None]
+    result = _measure(workdir, args.mode, args.inner_steps, wall_time, losses, started_unix)
     result["ddp_samples_per_s"] = ddp
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
     if args.record_dir:
         record = _write_record(Path(args.record_dir), workdir, result, sampler, started_at,
                                " ".join(["python", *sys.argv]))
-        from hivetrain.logbook import build
+        from benchmarks.logbook import build
 
         # The committed baselines of the preset beside this run (the same folder when publishing).
         folders = list(dict.fromkeys([ROOT / "logbook" / "records", Path(args.record_dir).resolve()]))
         records, out = " ".join(_shown(folder) for folder in folders), _shown(Path(args.logbook).parent)
         pages = build(folders, Path(args.logbook).parent, "demo",
-                      f"python -m hivetrain.logbook build --records {records} --out {out}")
+                      f"python -m benchmarks.logbook build --records {records} --out {out}")
         print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
     best = result["best"]
     print(f"\nBest validation on {best['samples']} held-out digits: top-1 {best['top1']:.1%}, top-5"
@@ -251,27 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ddp_reference(workdir: Path, batch_size: int, steps: int = 100) -> float | None:
-    """Samples/s of DDP on the same cores at the peers' per-step batch: what the swarm's throughput is measured
-    against. Its run record stays in the workdir (the logbook's baselines come from `baselines/run.py` runs)."""
-    records = workdir / "ddp-reference"
-    shutil.rmtree(records, ignore_errors=True)
-    with (workdir / "ddp-reference.log").open("w") as log:
-        done = subprocess.run([sys.executable, "baselines/run.py", "--preset", "demo", "--strategy", "ddp", "--devices",
-                               "2", "--threads", "1", "--batch-size", str(batch_size), "--epochs", "1000",
-                               "--max-steps", str(steps), "--val-limit", "0", "--progress-bar", "off", "--out-dir",
-                               str(records), "--record-dir", str(records)], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        print(f"error: the DDP reference run failed (exit code {done.returncode}); see {workdir}/ddp-reference.log",
-              file=sys.stderr)
-        return None
-    [record] = records.glob("*.json")
-    return float(json.loads(record.read_text())["samples_per_s"])
-
-
-def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, lines: dict[str, list[str]],
+def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, losses: list[float],
              started_unix: float) -> dict:
+    """The run's figures from the coordinator's metrics store and the peers' saved weights; `losses`: peer1's mean
+    training loss of each swarm epoch (its events)."""
     import torch
 
     from hivetrain.metrics_store import MetricsReader
@@ -296,7 +252,6 @@ def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, lines
         raise RuntimeError(f"the coordinator recorded no validation; see {workdir}/coordinator.log")
     best_validation = max(validations, key=lambda v: v["top1"])  # the first of the best, as the store picks it
     swarm_epochs = min(epochs_reached)
-    losses = [float(m.group(1)) for line in lines["peer1"] if (m := re.search(r"loss ([0-9.]+)", line))]
     return dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU",

@@ -1,9 +1,5 @@
 import os
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -11,76 +7,12 @@ import boto3
 import pytest
 from s3server import SeaweedS3
 
-ROOT = Path(__file__).resolve().parent.parent
+# Roles start here as in the demo and the benchmarks; the tests import ROOT from here.
+from benchmarks.harness import ROOT, Process  # noqa: F401
+
 BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
 # Tests never reach the Hugging Face hub; every process they start inherits this.
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-class Process:
-    """A role started as its own process, its combined output collected line by line."""
-
-    def __init__(self, args: list[str], log: Path, env: dict | None = None, prefix: list[str] = ()):
-        self.log = log
-        self.lines: list[str] = []
-        self.times: list[float] = []  # when each line arrived (time.time())
-        self.popen = subprocess.Popen(
-            [*prefix, sys.executable, *args],  # prefix: e.g. `ip netns exec NAME`
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            bufsize=1, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-            start_new_session=True,  # its own process group: kill() takes its hivemind processes and p2pd with it
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        with self.log.open("w") as out:
-            for line in self.popen.stdout:
-                out.write(line)
-                self.times.append(time.time())
-                self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if match := re.search(pattern, line):
-                    return match
-            if self.popen.poll() is not None:
-                self._reader.join(5)
-                for line in self.lines:
-                    if match := re.search(pattern, line):
-                        return match
-                raise AssertionError(f"process exited ({self.popen.returncode}) before {pattern!r}; log {self.log}")
-            time.sleep(0.1)
-        raise AssertionError(f"no {pattern!r} within {timeout} s; log {self.log}")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            code = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise AssertionError(f"still running after {timeout} s; log {self.log}")
-        self._reader.join(10)
-        return code
-
-    def kill(self) -> None:
-        """Vanish without a goodbye, as a machine that loses power: SIGKILL to every process it started."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait()
-
-    def stop(self) -> None:
-        """SIGTERM, as a user's Ctrl-C; whatever is left of its process group after 30 s is killed."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
 
 
 def record_reader(addresses: list[str]):

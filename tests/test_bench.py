@@ -5,12 +5,12 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from hivetrain import bench
+from benchmarks import bench
 
 
 def smoke(suite: str) -> tuple[dict, str]:
     """Run a suite's smoke version; returns its result and the section it rendered."""
-    done = subprocess.run([sys.executable, "-m", "hivetrain.bench", suite, "--smoke"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench", suite, "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result_text, section = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hivetrain import logbook
+from benchmarks import logbook
 from hivetrain.config import get_preset
 from hivetrain.records import (
     RankMemory,
@@ -103,7 +103,7 @@ def test_page_holds_the_records_numbers(records, tmp_path):
     for text in ("91.25%", "93.75%", "88.75%", "1234.5 samples/s", "2345.6", "1111.1", "0.2468",
                  "runs/baselines/checkpoints/demo-ddp-bb/best.safetensors", "`demo-fsdp-ccc`",
                  "python baselines/run.py --strategy fsdp --preset demo",
-                 f"python -m hivetrain.logbook build --records {records} --out {out}",
+                 f"python -m benchmarks.logbook build --records {records} --out {out}",
                  "tensorboard --logdir runs/baselines/tensorboard/demo",
                  "900.0 MiB", "977 KiB, 976 KiB of 1.9 MiB", "No swarm record for this experiment yet",
                  "fingerprint `" + DEMO.fingerprint + "`", "(../records/demo-single-a.json)",
@@ -143,7 +143,7 @@ def test_cli_exit_code_on_malformed_record_and_empty_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     cli_env = dict(os.environ, PYTHONPATH=str(ROOT))
     for folder, message in (("bad", "x.json: field 'experiment' is missing"), ("empty", "no run records")):
-        result = subprocess.run([sys.executable, "-m", "hivetrain.logbook", "build", "--records",
+        result = subprocess.run([sys.executable, "-m", "benchmarks.logbook", "build", "--records",
                                  str(tmp_path / folder), "--out", str(tmp_path / "out")],
                                 cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -1,13 +1,17 @@
-"""Benchmarks whose numbers land in the logbook: python -m hivetrain.bench SUITE [--smoke].
+"""Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke].
 
-Each suite starts real roles (coordinator/start.py, peers/join.py) as processes on loopback and measures them from
-their output, and writes its section of logbook/benchmarks.md with the machine, versions, commit and date.
+Each suite starts real roles (coordinator/start.py, peers/join.py) as processes on loopback (benchmarks.harness) and
+measures them from what they write for programs: their events, the coordinator's metrics store and run records, never
+their console lines. It writes its section of logbook/benchmarks.md with the machine, versions, commit and date.
 
 Suites here: join (time from `peers/join.py` start to the swarm's state loaded, and to its first local step);
 throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
 and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
 top-1 against samples seen for single, DDP and the swarm); scale (the coordinator's cost with 2 to 16 peers).
+
+A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
+its Markdown section, registered in SUITES.
 """
 
 from __future__ import annotations
@@ -29,194 +33,87 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import ROOT, Process, reached_epoch, run_baseline, start_coordinator, start_peer
+
 PAGE = ROOT / "logbook" / "benchmarks.md"
 RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
 
 
-class Role:
-    """A role's process, its output lines kept with the time each arrived."""
-
-    def __init__(self, args: list[str], log: Path, prefix: list[str] = (), env: Optional[dict] = None):
-        self.started = time.time()
-        self.lines: list[tuple[float, str]] = []
-        self.popen = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-        self._log = log
-        self.cpu: list[tuple[float, float, float]] = []  # (time, CPU seconds of the main process, of its descendants)
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._sample_cpu, daemon=True).start()
-
-    def _read(self) -> None:
-        with self._log.open("w") as out:
-            for line in self.popen.stdout:
-                out.write(line)
-                self.lines.append((time.time(), line.rstrip("\n")))
-
-    def _sample_cpu(self) -> None:
-        """Every second: the CPU time (user + system) of the role's main process and of its descendants (a peer's DHT
-        and averager processes, p2pd)."""
-        import psutil
-
-        with contextlib.suppress(psutil.Error):
-            process = psutil.Process(self.popen.pid)
-            while self.popen.poll() is None:
-                main, descendants = sum(process.cpu_times()[:2]), 0.0
-                for child in process.children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        descendants += sum(child.cpu_times()[:2])
-                self.cpu.append((time.time(), main, descendants))
-                time.sleep(1.0)
-
-    def cpu_between(self, start: float, end: float) -> tuple[float, float]:
-        """CPU seconds of the main process and of its descendants between the first sample at or after `start` and
-        the last at or before `end`, per second of that span."""
-        inside = [sample for sample in list(self.cpu) if start <= sample[0] <= end]
-        if len(inside) < 2:
-            raise RuntimeError(f"too few CPU samples of {self._log} between {start:.0f} and {end:.0f}")
-        (t0, main0, rest0), (t1, main1, rest1) = inside[0], inside[-1]
-        return (main1 - main0) / (t1 - t0), (rest1 - rest0) / (t1 - t0)
-
-    def first(self, pattern: str) -> tuple[float, re.Match] | None:
-        for arrived, line in list(self.lines):
-            if match := re.search(pattern, line):
-                return arrived, match
-        return None
-
-    def wait_for(self, pattern: str, timeout: float) -> tuple[float, re.Match]:
-        deadline = time.monotonic() + timeout
-        while (found := self.first(pattern)) is None:
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"no {pattern!r} from {self._log} (exit code {self.popen.poll()})")
-            time.sleep(0.05)
-        return found
-
-    def leave(self, timeout: float = 60.0) -> None:
-        """Stop the role as a user does (SIGTERM to its main process, which shuts its own processes down); waits."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, 15)
-            try:
-                self.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, 9)
-                self.popen.wait()
+# The coordinator only bootstraps and monitors (a look at the swarm every 10 s, its default) unless a suite asks it to
+# validate.
+MONITOR_ONLY = ["--validate-every", "0"]
 
 
-def _validated_epoch(coordinator: Role) -> int:
-    """The newest swarm epoch the coordinator has validated (-1 before its first validation)."""
-    return max((int(m.group(1)) for _, line in list(coordinator.lines)
-                if (m := re.match(r"validation at swarm epoch (\d+):", line))), default=-1)
+def validated_epoch(store: Path) -> int:
+    """The newest swarm epoch the coordinator has validated, from its metrics store (-1 before its first)."""
+    from hivetrain.metrics_store import MetricsReader, StoreMissing
 
-
-def _epoch(role: Role) -> int:
-    return max((int(m.group(1)) for _, line in list(role.lines) if (m := re.match(r"swarm epoch (\d+) ", line))),
-               default=0)
-
-
-def start_coordinator(work: Path, name: str, options: list[str], preset: str = "demo", host: str = "127.0.0.1",
-                      prefix: list[str] = ()) -> tuple[Role, list[str]]:
-    """A coordinator of `preset` on loopback (or `host`, inside the namespace of `prefix`) that only bootstraps and
-    monitors (no validation unless `options` ask for it; a look at the swarm every 10 s, its default); returns it with
-    the addresses peers join."""
-    coordinator = Role(["coordinator/start.py", "--preset", preset, "--host", host, "--port", "0",
-                        "--identity", str(work / f"{name}.key"), "--log-dir", str(work / name),
-                        "--validate-every", "0", *options], work / f"{name}-coordinator.log", prefix)
     try:
-        _, match = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=120)
-    except RuntimeError:
-        coordinator.stop()
-        raise
-    return coordinator, match.group(1).split()
+        with MetricsReader(store) as reader:
+            return max((row.epoch for row in reader.validations()), default=-1)
+    except StoreMissing:
+        return -1
 
 
-def run_baseline(work: Path, name: str, options: list[str], preset: str = "demo") -> dict:
-    """One baselines/run.py run of `preset`; returns its run record."""
-    records = work / f"{name}-records"
-    log = work / f"{name}.log"
-    with log.open("w") as out:
-        finished = subprocess.run([sys.executable, "baselines/run.py", "--preset", preset, "--progress-bar", "off",
-                                   "--out-dir", str(work / name), "--record-dir",
-                                   str(records), *options], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if finished.returncode != 0:
-        raise RuntimeError(f"baseline {name} failed (exit code {finished.returncode}); see {log}")
-    [record] = records.glob("*.json")
-    return json.loads(record.read_text())
-
-
-EPOCH_LINE = r"^swarm epoch (\d+) .*this peer: (\d+) samples"
-LEAVING_LINE = r"of ([\d.]+) s training, ([\d.]+) s in swarm rounds"
-
-
-def swarm_window(coordinator: Role, peers: list[Role]) -> dict:
-    """Samples/s of a swarm while all its peers train: from each peer's epoch lines (its cumulative samples) between
-    the moment the last peer started and the moment the first one stopped reporting; each peer's share of its
-    training time spent in swarm rounds and state downloads (from its leaving line); and where the CPU went in that
-    window: the peers' training processes, and everything else (their DHT, averager and p2pd processes, the
-    coordinator), in cores."""
-    started = max(peer.wait_for(r"^Starting at swarm epoch", timeout=1)[0] for peer in peers)
-    lines = [[(arrived, int(m.group(1)), int(m.group(2))) for arrived, line in list(peer.lines)
-              if (m := re.match(EPOCH_LINE, line)) and arrived >= started] for peer in peers]
-    if any(len(peer_lines) < 2 for peer_lines in lines):
-        raise RuntimeError("a peer printed fewer than two epoch lines while all trained: make the window longer")
-    ended = min(peer_lines[-1][0] for peer_lines in lines)
+def swarm_window(coordinator: Process, peers: list[Process]) -> dict:
+    """Samples/s of a swarm while all its peers train: from each peer's epoch events (its cumulative samples) between
+    the moment the last peer started training and the moment the first one stopped reaching epochs; each peer's share
+    of its training time spent in swarm rounds and state downloads, and the rounds it missed (from its leaving event);
+    and where the CPU went in that window: the peers' training processes, and everything else (their DHT, averager
+    and p2pd processes, the coordinator), in cores."""
+    started = max(peer.event("training_started")["time"] for peer in peers)
+    epochs = [[(event["time"], event["epoch"], event["samples"]) for event in peer.events("epoch")
+               if event["time"] >= started] for peer in peers]
+    if any(len(peer_epochs) < 2 for peer_epochs in epochs):
+        raise RuntimeError("a peer reached fewer than two epochs while all trained: make the window longer")
+    ended = min(peer_epochs[-1][0] for peer_epochs in epochs)
     rate = 0.0
-    for peer_lines in lines:
-        inside = [line for line in peer_lines if line[0] <= ended]
-        if len(inside) < 2:  # this peer's next line came just after the window: use its last two
-            inside = peer_lines[-2:]
+    for peer_epochs in epochs:
+        inside = [epoch for epoch in peer_epochs if epoch[0] <= ended]
+        if len(inside) < 2:  # this peer's next epoch came just after the window: use its last two
+            inside = peer_epochs[-2:]
         rate += (inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0])
-    shares = []
-    for peer in peers:
-        _, match = peer.wait_for(LEAVING_LINE, timeout=1)
-        shares.append(float(match.group(2)) / float(match.group(1)))
-    epochs = max(line[1] for peer_lines in lines for line in peer_lines) - min(peer_lines[0][1] for peer_lines in lines)
-    missed = sum(1 for peer in peers for _, line in list(peer.lines) if any(
-        phrase in line for phrase in ("Missed the swarm's averaging round", "Missed outer round",
-                                      "could not be averaged with the swarm")))
+    left = [peer.event("left") for peer in peers]
     training_cores = background_cores = 0.0
     for role in (coordinator, *peers):
         main, descendants = role.cpu_between(started, ended)
         training_cores += main if role is not coordinator else 0.0
         background_cores += descendants + (main if role is coordinator else 0.0)
-    return dict(samples_per_s=rate, window_s=ended - started, epochs=epochs, swarm_time_share=shares,
-                missed_rounds=missed, training_cores=training_cores, background_cores=background_cores)
+    return dict(samples_per_s=rate, window_s=ended - started,
+                epochs=max(epoch[1] for peer_epochs in epochs for epoch in peer_epochs)
+                - min(peer_epochs[0][1] for peer_epochs in epochs),
+                swarm_time_share=[event["swarm_seconds"] / event["train_seconds"] for event in left],
+                missed_rounds=sum(event["missed_rounds"] for event in left),
+                training_cores=training_cores, background_cores=background_cores)
 
 
 def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
-              timeout: float, preset: str = "demo", until: Optional[Callable[[Role], bool]] = None,
-              network=None) -> tuple[Role, list[Role]]:
+              timeout: float, preset: str = "demo", until: Optional[Callable[[], bool]] = None,
+              network=None) -> tuple[Process, list[Process]]:
     """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
     `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
-    holds for the coordinator (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
+    holds (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
     roles, their output kept. With `network` (benchmarks.netns.LinkedNamespaces), the coordinator and peer 0 run in
     its namespace a and peer 1 in b, so that everything between the two peers crosses its link."""
-    roles: list[Role] = []
+    roles: list[Process] = []
     try:
+        options = [*MONITOR_ONLY, *coordinator_options]
         if network is None:
-            coordinator, addresses = start_coordinator(work, name, coordinator_options, preset)
+            coordinator, addresses = start_coordinator(work, name, options, preset)
         else:
-            coordinator, addresses = start_coordinator(work, name, coordinator_options, preset, host=network.a_ip,
+            coordinator, addresses = start_coordinator(work, name, options, preset, host=network.a_ip,
                                                        prefix=network.exec_prefix("a"))
         roles.append(coordinator)
         for index in range(peers):
             side = "a" if index % 2 == 0 else "b"
             where = [] if network is None else ["--host", network.a_ip if side == "a" else network.b_ip,
                                                 "--client-mode", "off"]
-            roles.append(Role(["peers/join.py", "--initial-peers", *addresses, "--name", f"{name}-{index}",
-                               "--threads", "1", "--min-peers", str(peers), "--seed", str(index),
-                               "--progress-bar", "off", *where, *(option.replace("{index}", str(index))
-                                                                  for option in peer_options)],
-                              work / f"{name}-peer-{index}.log",
-                              prefix=[] if network is None else network.exec_prefix(side)))
+            roles.append(start_peer(work, f"{name}-peer-{index}", addresses, [
+                "--threads", "1", "--min-peers", str(peers), "--seed", str(index), "--progress-bar", "off", *where,
+                *(option.replace("{index}", str(index)) for option in peer_options)],
+                prefix=[] if network is None else network.exec_prefix(side)))
         deadline = time.monotonic() + timeout
-        while until is not None and not until(coordinator):
+        while until is not None and not until():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not get where it should within {timeout:.0f} s; see {work}")
             if any(peer.popen.poll() is not None for peer in roles[1:]):
@@ -228,9 +125,9 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
             try:
                 peer.popen.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"a peer of {name} was still running after {timeout:.0f} s; see {peer._log}")
+                raise RuntimeError(f"a peer of {name} was still running after {timeout:.0f} s; see {peer.log}")
             if peer.popen.returncode != 0:
-                raise RuntimeError(f"a peer of {name} failed (exit code {peer.popen.returncode}); see {peer._log}")
+                raise RuntimeError(f"a peer of {name} failed (exit code {peer.popen.returncode}); see {peer.log}")
         return coordinator, roles[1:]
     finally:
         for role in reversed(roles):
@@ -337,9 +234,9 @@ def links_ddp(work: Path, network, name: str, steps: int) -> dict:
               "--preset", THROUGHPUT_PRESET, "--batch-size", "32", "--epochs", "1000", "--max-steps", str(steps),
               "--val-limit", "0", "--progress-bar", "off", "--out-dir", str(work / name), "--record-dir",
               str(records)]
-    nodes = [Role(common, work / f"{name}-node{rank}.log", network.exec_prefix(side),
-                  env=dict(MASTER_ADDR=network.a_ip, MASTER_PORT="29533", NODE_RANK=str(rank),
-                           GLOO_SOCKET_IFNAME=network.a_link if side == "a" else network.b_link))
+    nodes = [Process(common, work / f"{name}-node{rank}.log", prefix=network.exec_prefix(side),
+                     env=dict(MASTER_ADDR=network.a_ip, MASTER_PORT="29533", NODE_RANK=str(rank),
+                              GLOO_SOCKET_IFNAME=network.a_link if side == "a" else network.b_link))
              for rank, side in ((0, "a"), (1, "b"))]
     try:
         for node in nodes:
@@ -381,16 +278,15 @@ def links_suite(work: Path, smoke: bool) -> dict:
                                          ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"],
                                          timeout=seconds + 240, preset=THROUGHPUT_PRESET, network=network)
                 # Each peer's samples over its training time (first step to leaving), summed: on a slow link a sync
-                # swarm may take too few epochs for the throughput suite's window between epoch lines. Bytes: those
+                # swarm may take too few epochs for the throughput suite's window between epochs. Bytes: those
                 # sent from the moment both peers held the swarm's state to the last one's leaving.
-                leaving = [peer.wait_for(r"contributed (\d+) samples; of ([\d.]+) s training, ([\d.]+) s in swarm",
-                                         timeout=1) for peer in peers]
-                started = max(peer.wait_for(r"^Starting at swarm epoch", timeout=1)[0] for peer in peers)
-                samples = sum(int(m.group(1)) for _, m in leaving)
-                row[mode] = dict(samples_per_s=sum(int(m.group(1)) / float(m.group(2)) for _, m in leaving),
-                                 samples=samples, epochs=_epoch(peers[0]),
-                                 bytes_per_sample=counter.between(started, max(t for t, _ in leaving)) / samples,
-                                 swarm_time_share=[float(m.group(3)) / float(m.group(2)) for _, m in leaving])
+                left = [peer.event("left") for peer in peers]
+                started = max(peer.event("training_started")["time"] for peer in peers)
+                samples = sum(event["samples"] for event in left)
+                row[mode] = dict(samples_per_s=sum(event["samples"] / event["train_seconds"] for event in left),
+                                 samples=samples, epochs=reached_epoch(peers[0]),
+                                 bytes_per_sample=counter.between(started, max(e["time"] for e in left)) / samples,
+                                 swarm_time_share=[event["swarm_seconds"] / event["train_seconds"] for event in left])
             print(f"{rate} Mbit/s: " + "; ".join(f"{kind} {row[kind]['samples_per_s']:.1f} samples/s,"
                                                  f" {row[kind]['bytes_per_sample'] / 1e3:.1f} kB per sample"
                                                  for kind in ("ddp", "sync", "diloco")), flush=True)
@@ -446,7 +342,7 @@ def communication_suite(work: Path, smoke: bool) -> dict:
                              ["--stop-at-epoch", str(epochs), "--save-weights", str(work / f"comm-{kind}-{{index}}.st")],
                              timeout=600)
         sent = loopback_bytes() - sent_before
-        samples = sum(int(peer.wait_for(r"contributed (\d+) samples", timeout=1)[1].group(1)) for peer in peers)
+        samples = sum(peer.event("left")["samples"] for peer in peers)
         weights = [work / f"comm-{kind}-{index}.st" for index in range(len(peers))]
         results.append(dict(compression=kind, epochs=epochs, samples=samples, bytes=sent, bytes_per_sample=sent / samples,
                             top1=evaluate_weights(weights)))
@@ -480,7 +376,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
     # downloads each state from them, so they must still be there (on this preset they are far faster than it).
     run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2"], [],
-              timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= swarm_epochs)
+              timeout=900, until=lambda: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
     # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
@@ -490,7 +386,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     run_swarm(work, "conv-diloco", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
                                        "--inner-steps", str(CONVERGENCE_INNER_STEPS),
                                        *diloco_schedule_flags(config, peers=2)], [],
-              timeout=900, until=lambda coordinator: _validated_epoch(coordinator) >= rounds)
+              timeout=900, until=lambda: validated_epoch(work / "conv-diloco" / "metrics.sqlite") >= rounds)
     with MetricsReader(work / "conv-diloco" / "metrics.sqlite") as store:
         curves["diloco"] = [(row.epoch * round_samples, row.top1) for row in store.validations()]
     for name, curve in curves.items():
@@ -527,16 +423,15 @@ def scale_suite(work: Path, smoke: bool) -> dict:
     results = []
     for size in SCALE_PEERS[:1] if smoke else SCALE_PEERS:
         name = f"scale-{size}"
-        roles: list[Role] = []
+        roles: list[Process] = []
         try:
-            coordinator, addresses = start_coordinator(work, name, [])
+            coordinator, addresses = start_coordinator(work, name, MONITOR_ONLY)
             roles.append(coordinator)
             for index in range(size):
-                roles.append(Role(["peers/join.py", "--initial-peers", *addresses, "--name", f"{name}-{index}",
-                                   "--threads", "1", "--min-peers", str(size), "--progress-bar", "off"],
-                                  work / f"{name}-peer-{index}.log"))
+                roles.append(start_peer(work, f"{name}-peer-{index}", addresses,
+                                        ["--threads", "1", "--min-peers", str(size), "--progress-bar", "off"]))
             for peer in roles[1:]:
-                peer.wait_for(r"^Starting at swarm epoch", timeout=120 + 20 * size)
+                peer.wait_for_event("training_started", timeout=120 + 20 * size)
             tree = psutil.Process(coordinator.popen.pid)
 
             def cpu_seconds() -> float:
@@ -546,14 +441,13 @@ def scale_suite(work: Path, smoke: bool) -> dict:
                         total += sum(process.cpu_times()[:2])  # user + system
                 return total
 
-            looked_before, epoch_before = len(coordinator.lines), [_epoch(peer) for peer in roles[1:]]
-            cpu_before, started = cpu_seconds(), time.monotonic()
+            epoch_before = [reached_epoch(peer) for peer in roles[1:]]
+            cpu_before, started, started_unix = cpu_seconds(), time.monotonic(), time.time()
             time.sleep(seconds)
             cpu, window = cpu_seconds() - cpu_before, time.monotonic() - started
             rss = sum(process.memory_info().rss for process in [tree, *tree.children(recursive=True)])
-            epochs = max(_epoch(peer) - before for peer, before in zip(roles[1:], epoch_before))
-            looks = [float(m.group(1)) for _, line in coordinator.lines[looked_before:]
-                     if (m := re.search(r"looked in ([\d.]+) s$", line))]
+            epochs = max(reached_epoch(peer) - before for peer, before in zip(roles[1:], epoch_before))
+            looks = [event["seconds"] for event in coordinator.events("look") if event["time"] >= started_unix]
             if any(peer.popen.poll() is not None for peer in roles[1:]):
                 raise RuntimeError(f"a peer of {name} stopped during the window; see {work}")
             results.append(dict(
@@ -603,28 +497,27 @@ def join_suite(work: Path, smoke: bool) -> dict:
 def join_run(work: Path, preset: str, joiners: int) -> dict:
     from hivetrain.config import get_preset
 
-    roles: list[Role] = []
+    roles: list[Process] = []
     try:
-        coordinator, addresses = start_coordinator(work, f"join-{preset}", [], preset)
+        coordinator, addresses = start_coordinator(work, f"join-{preset}", MONITOR_ONLY, preset)
         roles.append(coordinator)
-        seed = Role(["peers/join.py", "--initial-peers", *addresses, "--name", "seed", "--threads", "1"],
-                    work / f"join-{preset}-seed.log")
+        seed = start_peer(work, f"join-{preset}-seed", addresses, ["--threads", "1"])
         roles.append(seed)
         deadline = time.monotonic() + 600
-        while _epoch(seed) < 3:  # a state worth downloading
+        while reached_epoch(seed) < 3:  # a state worth downloading
             if time.monotonic() > deadline or seed.popen.poll() is not None:
-                raise RuntimeError(f"the seed peer did not reach epoch 3; see {seed._log}")
+                raise RuntimeError(f"the seed peer did not reach epoch 3; see {seed.log}")
             time.sleep(0.2)
         results = []
         for index in range(joiners):
-            joiner = Role(["peers/join.py", "--initial-peers", *addresses, "--name", f"joiner-{index}",
-                           "--threads", "1", "--max-steps", "3"], work / f"join-{preset}-joiner-{index}.log")
+            joiner = start_peer(work, f"join-{preset}-joiner-{index}", addresses,
+                                ["--threads", "1", "--max-steps", "3"])
             roles.append(joiner)
-            loaded, match = joiner.wait_for(r"Joined the swarm at epoch (\d+)", timeout=300)
-            stepped, _ = joiner.wait_for(r"^First local step done", timeout=300)
+            loaded = joiner.wait_for_event("state_loaded", timeout=300)
+            stepped = joiner.wait_for_event("first_step", timeout=300)
             joiner.popen.wait(300)
-            results.append(dict(state_loaded_s=loaded - joiner.started, first_step_s=stepped - joiner.started,
-                                epoch=int(match.group(1))))
+            results.append(dict(state_loaded_s=loaded["time"] - joiner.started,
+                                first_step_s=stepped["time"] - joiner.started, epoch=loaded["epoch"]))
             print(f"{preset} joiner {index}: state loaded after {results[-1]['state_loaded_s']:.1f} s (epoch"
                   f" {results[-1]['epoch']}), first step after {results[-1]['first_step_s']:.1f} s", flush=True)
         return dict(preset=preset, model=get_preset(preset).model.name, joiners=results,
@@ -706,8 +599,9 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
         " step, on equal hardware: two processes with one torch thread each for DDP (gloo) and for the swarm's two"
         " peers (plus the coordinator, which only bootstraps and monitors here), one process with two threads for"
         " single. The swarm's samples/s are summed over its peers' own counts between the moment both trained and"
-        " the first one's last epoch line; the baselines' come from their run records (training time, start-up"
-        f" excluded). DDP ran before and after the swarms ({ddp_runs} samples/s); x DDP is against their mean. Time"
+        " the first one's last swarm epoch (their epoch events); the baselines' come from their run records"
+        " (training time, start-up excluded). DDP ran before and after the swarms"
+        f" ({ddp_runs} samples/s); x DDP is against their mean. Time"
         " in swarm rounds: each peer's share of its training wall time spent in the steps that end a swarm epoch"
         " (sync: finding a group, gradient all-reduce, optimizer step, state averaging; diloco: the outer round) and"
         " in state downloads. Cores:"
@@ -880,7 +774,7 @@ def _verdict(met: bool, what: str) -> str:
 
 
 def _measured_by(suite: str, env: dict) -> str:
-    return (f"`python -m hivetrain.bench {suite}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python"
+    return (f"`python -m benchmarks.bench {suite}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python"
             f" {env['python']}, torch {env['torch']}, hivemind {env['hivemind']}).")
 
 
@@ -896,7 +790,7 @@ SUITES = {
 
 def write_section(name: str, section: str) -> None:
     """Replace suite `name`'s section of logbook/benchmarks.md (each section says which commit measured it)."""
-    header = ("# Benchmarks\n\nEach section is written by `python -m hivetrain.bench SUITE` and says which commit,"
+    header = ("# Benchmarks\n\nEach section is written by `python -m benchmarks.bench SUITE` and says which commit,"
               " machine and versions measured it.\n\n")
     sections = {}
     if PAGE.exists():
@@ -907,14 +801,14 @@ def write_section(name: str, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hivetrain.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--smoke", action="store_true",
                         help="the smallest run (for the tests): prints its result and section, writes nothing")
     args = parser.parse_args(argv)
     run, section = SUITES[args.suite]
     env = _environment()
-    work = Path(tempfile.mkdtemp(prefix=f"hivetrain-bench-{args.suite}-"))
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{args.suite}-"))
     result = run(work, smoke=args.smoke)  # on a failure the roles' logs stay in `work`: the error names them
     print(json.dumps(result, indent=1))
     if args.smoke:  # the page and its plots are rendered into the scratch folder, then thrown away

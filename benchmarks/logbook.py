@@ -1,6 +1,6 @@
 """The logbook: Markdown pages with tables and plots rendered from run records.
 
-    python -m hivetrain.logbook build [--records logbook/records ...] [--out logbook] [--experiment demo]
+    python -m benchmarks.logbook build [--records logbook/records ...] [--out logbook] [--experiment demo]
 
 Every record (one JSON file per run, see hivetrain.records) belongs to an experiment (by default its preset). Each
 experiment gets `<out>/<experiment>-baselines.md`: a side-by-side table of single / DP / DDP / FSDP / swarm, a
@@ -21,6 +21,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Optional
 
+from hivetrain.formatting import fmt_bytes, fmt_pct, fmt_percent, fmt_seconds
 from hivetrain.records import STRATEGIES, RunRecord, read_record
 
 STRATEGY_TITLES = {"single": "Single device", "dp": "DataParallel", "ddp": "DDP", "fsdp": "FSDP", "swarm": "Swarm"}
@@ -48,34 +49,7 @@ def load_records(directories: list[Path]) -> list[Loaded]:
     return loaded
 
 
-# --- formatting ------------------------------------------------------------------------------------------------
-
-
-def fmt_bytes(n: Optional[int]) -> str:
-    if n is None:
-        return "–"
-    for unit, size, digits in (("GiB", 1024**3, 2), ("MiB", 1024**2, 1), ("KiB", 1024, 0)):
-        if n >= size:
-            return f"{n / size:.{digits}f} {unit}"
-    return f"{n} B"
-
-
-def fmt_seconds(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.2f} h"
-
-
-def fmt_pct(x: Optional[float]) -> str:
-    """A fraction as a percentage: 0.9125 -> 91.25%."""
-    return "–" if x is None else f"{100 * x:.2f}%"
-
-
-def fmt_percent(x: Optional[float]) -> str:
-    """A value already in percent: 47.3 -> 47%."""
-    return "–" if x is None else f"{x:.0f}%"
+# --- measures --------------------------------------------------------------------------------------------------
 
 
 def cpu_mean(r: RunRecord) -> Optional[float]:
@@ -367,7 +341,7 @@ def build(record_dirs: list[Path], out: Path, experiment: Optional[str], build_c
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hivetrain.logbook",
+        prog="python -m benchmarks.logbook",
         description="Render logbook pages (Markdown + PNG plots) from run records.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -381,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     words = ["--records", *args.records, "--out", args.out]
     words += ["--experiment", args.experiment] if args.experiment else []
-    command = "python -m hivetrain.logbook build " + shlex.join(words)
+    command = "python -m benchmarks.logbook build " + shlex.join(words)
     try:
         pages = build([Path(d) for d in args.records], Path(args.out), args.experiment, command)
     except ValueError as e:

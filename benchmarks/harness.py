@@ -1,0 +1,200 @@
+"""The repository's scripts started as processes, for the benchmarks, the demo and the tests: one way to start a role
+(coordinator/start.py, peers/join.py, baselines/run.py, ...), keep its output, read its events, sample its CPU and
+stop it. No role imports this.
+
+Figures come from what the roles write for programs: their events (`--events FILE`, hivetrain.events), the
+coordinator's metrics store, and run records. Their console lines are for people; tests may check the wording.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Process:
+    """A script of this repository run by this Python in its own process group (stopping it takes its hivemind
+    processes and p2pd with it), its combined output kept line by line in `lines` and in the file `log`.
+
+    With `events`, the script is given `--events FILE` and `events(name)` reads what it wrote. With `sample_cpu`, the
+    CPU time of the process and of its descendants is sampled every second (`cpu_between`). `echo` sees every line as
+    it arrives (the demo shows some of them). `prefix` runs the command inside another, e.g. `ip netns exec NAME`."""
+
+    def __init__(self, args: list[str], log: Path, env: Optional[dict] = None, prefix: list[str] = (),
+                 events: Optional[Path] = None, sample_cpu: bool = False,
+                 echo: Optional[Callable[[str], None]] = None):
+        self.log, self.events_path, self.echo = log, events, echo
+        self.lines: list[str] = []
+        self.times: list[float] = []  # when each line arrived (time.time())
+        self.cpu: list[tuple[float, float, float]] = []  # (time, CPU seconds of the main process, of its descendants)
+        self.started = time.time()
+        self.popen = subprocess.Popen(
+            [*prefix, sys.executable, *args, *(["--events", str(events)] if events is not None else [])],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})), start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if sample_cpu:
+            threading.Thread(target=self._sample_cpu, daemon=True).start()
+
+    def _read(self) -> None:
+        with self.log.open("w") as out:
+            for line in self.popen.stdout:
+                out.write(line)
+                out.flush()  # the log is readable while the process runs
+                self.times.append(time.time())
+                self.lines.append(line.rstrip("\n"))
+                if self.echo is not None:
+                    self.echo(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """The first output line matching `pattern`, waiting up to `timeout` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.popen.poll() is not None
+            if exited:
+                self._reader.join(5)  # its last lines
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            if exited:
+                raise RuntimeError(f"process exited ({self.popen.returncode}) before {pattern!r}; log {self.log}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no {pattern!r} within {timeout} s; log {self.log}")
+            time.sleep(0.1)
+
+    def events(self, name: str) -> list[dict]:
+        """The events called `name` that the script has written so far, oldest first."""
+        if self.events_path is None or not self.events_path.exists():
+            return []
+        with self.events_path.open() as lines:
+            # a line being written may be incomplete: it is read at the next call
+            return [event for line in lines if line.endswith("\n")
+                    and (event := json.loads(line))["event"] == name]
+
+    def event(self, name: str) -> dict:
+        """The first event called `name`, which must be there."""
+        found = self.events(name)
+        if not found:
+            raise RuntimeError(f"no {name!r} event in {self.events_path}; log {self.log}")
+        return found[0]
+
+    def wait_for_event(self, name: str, timeout: float) -> dict:
+        """The first event called `name`, waiting up to `timeout` seconds for it."""
+        deadline = time.monotonic() + timeout
+        while not (found := self.events(name)):
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"no {name!r} event from {self.log} within {timeout} s (exit code"
+                                   f" {self.popen.poll()})")
+            time.sleep(0.05)
+        return found[0]
+
+    def _sample_cpu(self) -> None:
+        """Every second: the CPU time (user + system) of the main process and of its descendants (a peer's DHT and
+        averager processes, p2pd)."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(self.popen.pid)
+            while self.popen.poll() is None:
+                main, descendants = sum(process.cpu_times()[:2]), 0.0
+                for child in process.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        descendants += sum(child.cpu_times()[:2])
+                self.cpu.append((time.time(), main, descendants))
+                time.sleep(1.0)
+
+    def cpu_between(self, start: float, end: float) -> tuple[float, float]:
+        """CPU seconds of the main process and of its descendants between the first sample at or after `start` and
+        the last at or before `end`, per second of that span."""
+        inside = [sample for sample in list(self.cpu) if start <= sample[0] <= end]
+        if len(inside) < 2:
+            raise RuntimeError(f"too few CPU samples of {self.log} between {start:.0f} and {end:.0f}")
+        (t0, main0, rest0), (t1, main1, rest1) = inside[0], inside[-1]
+        return (main1 - main0) / (t1 - t0), (rest1 - rest0) / (t1 - t0)
+
+    def wait(self, timeout: Optional[float]) -> int:
+        """Its exit code; one still running after `timeout` seconds is stopped, and that is an error."""
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise RuntimeError(f"still running after {timeout} s; log {self.log}") from None
+        self._reader.join(10)
+        return code
+
+    def leave(self, timeout: float = 60.0) -> None:
+        """Stop it as a user does (SIGTERM to its main process, which shuts its own processes down); waits."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        """Vanish without a goodbye, as a machine that loses power: SIGKILL to every process it started."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, as a user's Ctrl-C; whatever is left of its process group after 30 s is killed."""
+        self.leave(timeout=30)
+        self.kill()
+
+
+def run_baseline(work: Path, name: str, options: list[str], preset: str = "demo") -> dict:
+    """One baselines/run.py run of `preset` with its output in `work/<name>.log`; returns its run record."""
+    records = work / f"{name}-records"
+    shutil.rmtree(records, ignore_errors=True)  # an earlier run's record is not this one's
+    log = work / f"{name}.log"
+    with log.open("w") as out:
+        finished = subprocess.run([sys.executable, "baselines/run.py", "--preset", preset, "--progress-bar", "off",
+                                   "--out-dir", str(work / name), "--record-dir", str(records), *options], cwd=ROOT,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    if finished.returncode != 0:
+        raise RuntimeError(f"baseline {name} failed (exit code {finished.returncode}); see {log}")
+    [record] = records.glob("*.json")
+    return json.loads(record.read_text())
+
+
+def start_coordinator(work: Path, name: str, options: list[str], preset: str = "demo", host: str = "127.0.0.1",
+                      prefix: list[str] = (), log_dir: Optional[Path] = None,
+                      echo: Optional[Callable[[str], None]] = None) -> tuple[Process, list[str]]:
+    """A coordinator of `preset` listening on `host` (inside the namespace of `prefix`), its key, log and events in
+    `work/<name>.*` and its store, TensorBoard and checkpoints in `log_dir` (default: `work/<name>`), once it serves;
+    returns it with the addresses peers join."""
+    coordinator = Process(["coordinator/start.py", "--preset", preset, "--host", host, "--port", "0",
+                           "--identity", str(work / f"{name}.key"), "--log-dir", str(log_dir or work / name),
+                           *options], work / f"{name}.log", prefix=prefix, events=work / f"{name}.events",
+                          sample_cpu=True, echo=echo)
+    try:
+        serving = coordinator.wait_for_event("serving", timeout=120)
+    except RuntimeError:
+        coordinator.stop()
+        raise
+    return coordinator, serving["initial_peers"]
+
+
+def start_peer(work: Path, name: str, addresses: list[str], options: list[str], prefix: list[str] = (),
+               echo: Optional[Callable[[str], None]] = None) -> Process:
+    """A peer called `name` joining the swarm at `addresses`, its log and events in `work/<name>.*`."""
+    return Process(["peers/join.py", "--initial-peers", *addresses, "--name", name, *options], work / f"{name}.log",
+                   prefix=prefix, events=work / f"{name}.events", sample_cpu=True, echo=echo)
+
+
+def reached_epoch(peer: Process) -> int:
+    """The newest swarm epoch the peer has reached while training (0 before its first)."""
+    return max((event["epoch"] for event in peer.events("epoch")), default=0)
