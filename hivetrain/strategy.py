@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 import signal
 import threading
@@ -24,7 +23,6 @@ from typing import Any, Callable, Optional
 import hivemind
 import lightning.pytorch as pl
 import torch
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
@@ -35,29 +33,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from hivetrain.diloco import DiLoCoRounds
-from hivetrain.record_guard import make_vetted_progress_tracker
+from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
+from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.swarm import RECORD_LIFETIME, DHTOptions, keeping_sigint, start_dht, withdraw_records
 
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _cuda_is_available() -> bool:
-    return torch.cuda.is_available()
-
-
-def _check_pinned_once(tensor: torch.Tensor) -> bool:
-    try:
-        return _cuda_is_available() and tensor.is_pinned()
-    except RuntimeError:  # as hivemind's own: torch could not initialise CUDA
-        return False
-
-
-# hivemind asks torch.cuda.is_available() for every tensor part it serialises. Lightning sets
-# PYTORCH_NVML_BASED_CUDA_CHECK=1 (so that forked processes may still use CUDA), which makes each of those calls try to
-# load NVML anew: on a machine without a GPU that costs the averager processes a few percent of a core. Availability
-# does not change while a process runs; ask once.
-hivemind.utils.tensor_descr._safe_check_pinned = _check_pinned_once
+ask_cuda_availability_once()
 
 COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
@@ -191,7 +174,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         others publishes its empty progress itself and hands what it reads to its tracker, so that from the first step
         on the tracker counts the others and the first epoch is averaged.
         """
-        return _announce_and_count_peers(self.dht, self.tracker)
+        return announce_and_count_peers(self.dht, self.tracker)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -331,19 +314,6 @@ def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[t
     )
 
 
-def _announce_and_count_peers(dht: hivemind.DHT, tracker: ProgressTracker) -> int:
-    """Publish this peer's empty progress and read everyone's into its tracker (see
-    HivemindStrategy.announce_and_count_peers)."""
-    own = tracker._get_local_progress(tracker.local_progress.epoch, samples_accumulated=0)
-    dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=own.dict(),
-              expiration_time=get_dht_time() + tracker.metadata_expiration)
-    found = dht.get(tracker.training_progress_key, latest=True)
-    with tracker.lock_global_progress:
-        tracker.global_progress = tracker._parse_swarm_progress_data(found.value if found is not None else None)
-    tracker.global_state_updated.set()  # its fetcher plans its next look from this progress
-    return tracker.global_progress.num_peers
-
-
 def _advance_schedules(lr_scheduler_configs: list, steps: int) -> None:
     """Step each LR scheduler until it stands at least at `steps`."""
     for config in lr_scheduler_configs:
@@ -428,7 +398,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
     def announce_and_count_peers(self) -> int:
         """Collective: rank 0 announces this peer and counts the training peers (HivemindStrategy's), every rank
         gets the count."""
-        count = _announce_and_count_peers(self.dht, self.tracker) if self.rounds is not None else 0
+        count = announce_and_count_peers(self.dht, self.tracker) if self.rounds is not None else 0
         return self._broadcast_ints(count)[0]
 
     # --- Lightning ------------------------------------------------------------------------------------------------
@@ -526,7 +496,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         super().teardown()
 
 
-class SwarmOptimizer(hivemind.Optimizer):
+class SwarmOptimizer(PatchedOptimizer):
     """A hivemind.Optimizer that keeps non-finite updates out of the swarm.
 
     A NaN or Inf loss or gradient (a diverging peer, a bad batch, broken hardware) would be averaged into every peer's
@@ -538,39 +508,12 @@ class SwarmOptimizer(hivemind.Optimizer):
     end a swarm epoch (waiting for a group, gradient all-reduce, the optimizer step, state averaging) and state
     downloads. The benchmarks report it as the time outside compute.
 
-    Its averagers time matchmaking requests out well inside the matchmaking window. hivemind gives `averager_opts` to
-    the state averager only, so the gradient averager kept a 3 s request timeout against a 1 s window: two peers that
-    raced apart then asked each other to lead, waited, and missed every round ("could not find a group").
+    Its progress tracker skips unusable records, and its averaging rounds are scheduled and timed out as
+    PatchedOptimizer says.
     """
 
     swarm_seconds = 0.0
-    _make_progress_tracker = make_vetted_progress_tracker  # progress entries anyone wrote are untrusted input
-
-    def _make_gradient_averager(self, factory, **kwargs):
-        kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
-        return super()._make_gradient_averager(factory, **kwargs)
-
-    # A peer alone steps every few batches. hivemind pre-schedules an averaging round before each of those steps and
-    # cancels it at the step, but the cancelled round keeps the averager's matchmaking busy, and the real rounds queue
-    # behind it ("Another look_for_group is already in progress") and time out: peers that started alone then missed
-    # round after round together. Alone, there is nothing to schedule.
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
-
-    def _maybe_schedule_state_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_state_averaging()
-
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is None:  # no round was begun (no other peers): nothing was missed
-            self._missed_round = False
-            return
-        try:
-            self._missed_round = not maybe_step_control.done() or maybe_step_control.exception() is not None
-        except BaseException:  # a cancelled round
-            self._missed_round = True
+    tracker_class = VettedProgressTracker  # progress entries anyone wrote are untrusted input
 
     def load_state_from_peers(self, **kwargs) -> None:
         started = time.perf_counter()
@@ -592,12 +535,12 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.zero_grad(set_to_none=True)
             self.load_state_from_peers()
             return loss
-        self._missed_round = False
+        self.missed_round = False
         seconds, epoch, started = self.swarm_seconds, self.local_epoch, time.perf_counter()
         super().step(batch_size=batch_size, grad_scaler=grad_scaler)
         if self.local_epoch != epoch:  # the whole step was the swarm's (a state download inside it included)
             self.swarm_seconds = seconds + time.perf_counter() - started
-        if self._missed_round and self.tracker.global_progress.num_peers > 1:
+        if self.missed_round and self.tracker.global_progress.num_peers > 1:
             # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
             # drift one epoch apart (where each peer's rounds come when the others are not looking).
             logger.warning("Missed the swarm's averaging round: loading its state instead of drifting")
