@@ -225,10 +225,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.load_state_from_peers()
         logger.info(f"Joined the swarm at outer round {self.local_epoch}")
 
-    def _follow_swarm_schedule(self) -> None:
+    def _follow_swarm_schedule(self, in_optimizer_step: bool = False) -> None:
         """The inner LR schedule follows the swarm, not this peer's own step count: after round r it stands at least
         at r x H steps, so a late joiner, or a slow peer that took fewer inner steps, continues the swarm's schedule."""
-        _advance_schedules(self.lr_scheduler_configs, self.rounds.round * self.options.inner_steps)
+        _advance_schedules(self.lr_scheduler_configs, self.rounds.round * self.options.inner_steps, in_optimizer_step)
 
     @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -238,7 +238,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if self.rounds.after_inner_step(self.options.batch_size, finite=finite):
                 if not finite:
                     optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
-                self._follow_swarm_schedule()
+                self._follow_swarm_schedule(in_optimizer_step=True)
         return output
 
     @override
@@ -314,8 +314,10 @@ def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[t
     )
 
 
-def _advance_schedules(lr_scheduler_configs: list, steps: int) -> None:
-    """Step each LR scheduler until it stands at least at `steps`."""
+def _advance_schedules(lr_scheduler_configs: list, steps: int, in_optimizer_step: bool) -> None:
+    """Step each LR scheduler until it stands at least at `steps`. Inside an optimizer step, one short: Lightning
+    steps the schedulers (interval "step", schedule_per_inner_step) right after it, for the step just taken."""
+    steps -= int(in_optimizer_step)
     for config in lr_scheduler_configs:
         with warnings.catch_warnings():  # a joiner advances its schedule before its first optimizer step
             warnings.simplefilter("ignore", UserWarning)
@@ -393,7 +395,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         """Collective: rank 0 downloads the swarm's outer state, every rank continues from it."""
         if self.rounds is not None:
             self.rounds.load_state_from_peers()
-        self._share_outer_state(changed=True)
+        self._share_outer_state(changed=True, in_optimizer_step=False)
 
     def announce_and_count_peers(self) -> int:
         """Collective: rank 0 announces this peer and counts the training peers (HivemindStrategy's), every rank
@@ -430,7 +432,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         for config in self.lr_scheduler_configs:
             check_scheduler(config.scheduler, self.optimizers[0])
         self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
-        _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
+        _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step=False)
         self._own_sigterm_handler = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
 
     @override
@@ -455,7 +457,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         changed = False
         if self.rounds is not None and (samples or non_finite):
             changed = self.rounds.after_inner_step(samples, finite=not non_finite)
-        if self._share_outer_state(changed) and non_finite:
+        if self._share_outer_state(changed, in_optimizer_step=True) and non_finite:
             optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
         return output
 
@@ -473,13 +475,13 @@ class DiLoCoDDPStrategy(DDPStrategy):
                 process.wait()
         super().on_exception(exception)
 
-    def _share_outer_state(self, changed: bool) -> bool:
+    def _share_outer_state(self, changed: bool, in_optimizer_step: bool) -> bool:
         """Rank 0 tells every rank the swarm's round and whether the parameters changed to a new outer state; when
         they did, every rank takes rank 0's parameters and moves its LR schedule to the round. Returns `changed`."""
         changed, self._round = self._broadcast_ints(int(changed), self.rounds.round if self.rounds is not None else 0)
         if changed:
             _sync_module_states(self.lightning_module)  # rank 0's parameters and buffers to every rank
-            _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
+            _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step)
         return bool(changed)
 
     def _broadcast_ints(self, *values: int) -> list[int]:

@@ -85,14 +85,21 @@ class _WhileTraining(pl.Callback):
         self.own_zero_grad = "optimizer_zero_grad" in vars(pl_module)
         self.optimizer_types = [type(optimizer) for optimizer in trainer.optimizers]
         self.scheduler_configs = len(trainer.lr_scheduler_configs)
+        self.learning_rates = []  # the module's optimizer's, at the start of each batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.learning_rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self, trainer, pl_module):
+        self.swarm_epoch = getattr(trainer.strategy, "local_epoch", None)  # before teardown ends the swarm
 
 
-def _fit(module: pl.LightningModule, strategy, steps: int) -> _WhileTraining:
+def _fit(module: pl.LightningModule, strategy, steps: int, **trainer_options) -> _WhileTraining:
     seen = _WhileTraining()
     # no accelerator flag: Lightning refuses one beside a strategy instance that has its accelerator from a fit before
     trainer = pl.Trainer(strategy=strategy, max_steps=steps, max_epochs=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[seen])
+                         enable_model_summary=False, callbacks=[seen], **trainer_options)
     trainer.fit(module, _regression_data(batch_size=16))
     seen.trainer = trainer
     return seen
@@ -246,3 +253,48 @@ def test_reduce_on_plateau_is_refused_with_what_to_use_instead(mode):
     )
     with pytest.raises(ValueError, match="cannot follow ReduceLROnPlateau.*Use a schedule of the step count"):
         _fit(_PlateauRegression(), strategy, steps=2)
+
+
+class _ScheduledRegression(_Regression):
+    """_Regression with SGD at lr 0.1 and a given torch scheduler, which the module asks Lightning to step per epoch
+    (diloco steps it per inner step all the same)."""
+
+    def __init__(self, make_schedule):
+        super().__init__()
+        self.make_schedule = make_schedule
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=self.make_schedule(optimizer), interval="epoch"))
+
+
+DILOCO_SCHEDULES = {
+    "StepLR": lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5),
+    "CosineAnnealingLR": lambda optimizer: torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6, eta_min=0.01),
+    "OneCycleLR": lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=10),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DILOCO_SCHEDULES))
+def test_diloco_steps_any_torch_schedule_per_inner_step(name):
+    """In diloco mode the module's scheduler steps after every inner step, whatever interval the module asked for,
+    and the rounds (every 3 inner steps, alone) keep it there: the LR of inner step i is the schedule's i-th value."""
+    torch.set_num_threads(1)
+    make_schedule = DILOCO_SCHEDULES[name]
+    reference_optimizer = torch.optim.SGD(torch.nn.Linear(8, 1).parameters(), lr=0.1, momentum=0.9)
+    reference = make_schedule(reference_optimizer)
+    expected = []
+    for _ in range(7):
+        expected.append(reference_optimizer.param_groups[0]["lr"])
+        reference_optimizer.step()
+        reference.step()
+
+    module = _ScheduledRegression(make_schedule)
+    strategy = HivemindStrategy(
+        HivemindOptions(run_id=f"test_diloco_schedule_{name}", target_batch_size=16, batch_size=16, mode="diloco",
+                        inner_steps=3, matchmaking_time=0.5),
+        network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+    )
+    seen = _fit(module, strategy, steps=7)
+    assert seen.swarm_epoch == 2  # rounds after inner steps 3 and 6
+    assert seen.learning_rates == pytest.approx(expected)
