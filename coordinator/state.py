@@ -20,6 +20,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
 from hivetrain.diloco import OuterState, outer_state_prefix
+from hivetrain.hivemind_internals import catch_up_schedule
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
@@ -80,7 +81,7 @@ class StateHolder:
 
     def _offer(self, epoch: int) -> None:
         self.averager.local_epoch = epoch
-        self.averager._update_scheduler()  # hivemind's own catch-up of the LR schedule to the epoch
+        catch_up_schedule(self.averager)
         self.averager.state_sharing_priority = epoch  # peers at newer epochs are asked first
         self.averager.allow_state_sharing = True
 

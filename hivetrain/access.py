@@ -20,7 +20,8 @@ from pathlib import Path
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
-from cryptography.hazmat.primitives import serialization
+
+from hivetrain.hivemind_internals import rsa_key_from_der
 
 TOKEN_PREFIX = "ht1."
 TOKEN_ENV = "HIVETRAIN_TOKEN"
@@ -80,12 +81,10 @@ def parse_lifetime(text: str) -> int:
 def load_authority(path: Path) -> RSAPrivateKey:
     """The run's authority key; created (readable by its owner only) when the file does not exist yet."""
     if path.exists():
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
         try:
-            key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
+            return rsa_key_from_der(path.read_bytes())
         except ValueError:
             raise ValueError(f"{path} is not an authority key (DER-encoded RSA private key)") from None
-        return key
     key = RSAPrivateKey()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")

@@ -25,9 +25,9 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
-from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 
+from hivetrain.hivemind_internals import HookedProgressTracker
 from hivetrain.record_guard import vetted
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
@@ -172,7 +172,7 @@ class OuterState(DecentralizedAverager):
                 local.copy_(outer)
 
 
-class RoundTracker(ProgressTracker):
+class RoundTracker(HookedProgressTracker):
     """hivemind's progress tracker whose target is H inner steps of the run's batch per peer in the records: a round
     is due once the swarm as a whole has trained that many samples since the last one."""
 
@@ -180,11 +180,11 @@ class RoundTracker(ProgressTracker):
         self.samples_per_peer = samples_per_peer
         super().__init__(*args, target_batch_size=samples_per_peer, **kwargs)
 
-    def _parse_swarm_progress_data(self, metadata):
+    def before_parsing_progress(self, metadata):
         peers = sum(1 for entry in metadata.values() if getattr(entry, "value", None) is not None) \
             if isinstance(metadata, dict) else 0
         self.target_batch_size = self.samples_per_peer * max(1, peers)
-        return super()._parse_swarm_progress_data(metadata)
+        return super().before_parsing_progress(metadata)
 
 
 class DiLoCoRounds:

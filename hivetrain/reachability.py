@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivetrain.hivemind_internals import dial
+
 DIAL_BACK = "hivetrain.dial_back"
 DIAL_TIMEOUT = 10.0  # seconds the coordinator tries to dial a peer back
 
@@ -52,7 +54,7 @@ async def _dial(peer_id: PeerID, maddrs: list[Multiaddr]) -> dict:
     # address. A reused host once answered "reachable" for an address nobody listens on.
     probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # dials out only
     try:
-        await asyncio.wait_for(probe._client.connect(peer_id, maddrs), DIAL_TIMEOUT)
+        await asyncio.wait_for(dial(probe, peer_id, maddrs), DIAL_TIMEOUT)
         return dict(reachable=True)
     except Exception as e:  # refused, timed out, wrong peer behind the address: not reachable
         return dict(reachable=False, error=" ".join(f"{type(e).__name__}: {e}".split())[:300])

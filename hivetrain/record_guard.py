@@ -47,14 +47,15 @@ from functools import partial
 from typing import Any, Optional
 
 import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.optim.progress_tracker import GlobalTrainingProgress, LocalTrainingProgress, ProgressTracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from pydantic.v1 import BaseModel
+
+from hivetrain.hivemind_internals import SIGNATURE_RE, SIGNED_SUBKEY_RE, HookedProgressTracker, signature_checker
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,7 @@ FAR_FUTURE = 600.0  # seconds ahead of now
 MAX_RECORD_BYTES = 64 * 1024  # a run record is about 1 KiB with its signature, a progress or metrics record less
 INT64_MAX = 2**63 - 1  # the metrics store (SQLite) holds no larger integer
 
-_OWNER_KEY = RSASignatureValidator._PUBLIC_KEY_RE  # b"[owner:<public key>]", the subkey of a signed entry
-_SIGNATURE = RSASignatureValidator._SIGNATURE_RE
-# RSASignatureValidator.validate checks a signature with class attributes only; an instance made without __init__
-# (which would load or generate a private key) verifies signatures and can sign nothing.
-_SIGNATURE_CHECK = RSASignatureValidator.__new__(RSASignatureValidator)
+_SIGNATURE_CHECK = signature_checker()
 
 
 class RateLimitedWarnings:
@@ -148,7 +145,7 @@ def usable_entries(key: str, value: Any, schema: type[BaseModel]) -> list[tuple[
             continue
         if entry.value is None:
             continue
-        if not isinstance(subkey, bytes) or not _OWNER_KEY.search(subkey):
+        if not isinstance(subkey, bytes) or not SIGNED_SUBKEY_RE.search(subkey):
             warn_skipped(key, "unsigned", "its subkey names no owner key")
             continue
         if problem := _expiration_problem(entry.expiration_time, now):
@@ -191,7 +188,7 @@ class KeyRule:
             return self._signed_problem(record, subkey)
         if not _is_peer_id(subkey):
             return "malformed", "its subkey is not a peer ID"
-        if _SIGNATURE.search(record.value):  # hivemind's entries are unsigned: a signature here is forged text
+        if SIGNATURE_RE.search(record.value):  # hivemind's entries are unsigned: a signature here is forged text
             return "malformed", "a signature in an unsigned entry"
         try:
             value = MSGPackSerializer.loads(record.value)
@@ -205,7 +202,7 @@ class KeyRule:
         return None if usable else ("malformed", f"a value of type {type(value).__name__}")
 
     def _signed_problem(self, record: DHTRecord, subkey: Any) -> Optional[tuple[str, str]]:
-        if not isinstance(subkey, bytes) or not _OWNER_KEY.search(subkey):
+        if not isinstance(subkey, bytes) or not SIGNED_SUBKEY_RE.search(subkey):
             return "unsigned", "its subkey names no owner key"
         try:
             signed = _SIGNATURE_CHECK.validate(record)
@@ -357,33 +354,18 @@ def usable_progress(key: str, metadata: Any) -> dict:
 
 
 @functools.cache
-def vetted(tracker_class: type[ProgressTracker]) -> type[ProgressTracker]:
-    """`tracker_class` (hivemind's ProgressTracker or a subclass) reading only usable progress entries: its own
-    `_parse_swarm_progress_data` (which parses each entry without a try, and runs in the constructor) gets the swarm's
-    progress with the unusable entries removed, each reported by a rate-limited warning."""
+def vetted(tracker_class: type[HookedProgressTracker]) -> type[HookedProgressTracker]:
+    """`tracker_class` (a HookedProgressTracker) reading only usable progress entries: hivemind's parser (which parses
+    each entry without a try, and runs in the constructor) gets the swarm's progress with the unusable entries
+    removed, each reported by a rate-limited warning."""
 
     class Vetted(tracker_class):
-        def _parse_swarm_progress_data(self, metadata) -> GlobalTrainingProgress:
-            return super()._parse_swarm_progress_data(usable_progress(self.training_progress_key, metadata))
+        def before_parsing_progress(self, metadata: Any) -> Any:
+            return super().before_parsing_progress(usable_progress(self.training_progress_key, metadata))
 
     Vetted.__name__ = Vetted.__qualname__ = f"Vetted{tracker_class.__name__}"
     Vetted.__doc__ = f"{tracker_class.__name__} that skips unusable progress entries (hivetrain.record_guard.vetted)."
     return Vetted
 
 
-VettedProgressTracker = vetted(ProgressTracker)
-
-
-def make_vetted_progress_tracker(optimizer: hivemind.Optimizer, target_batch_size: int, **kwargs) -> ProgressTracker:
-    """hivemind.Optimizer._make_progress_tracker, building a VettedProgressTracker. hivemind.Optimizer builds its
-    tracker in this factory method only; a subclass plugs this one in with `_make_progress_tracker =
-    make_vetted_progress_tracker` in its body."""
-    return VettedProgressTracker(
-        dht=optimizer.dht,
-        prefix=optimizer.run_id,
-        target_batch_size=target_batch_size,
-        client_mode=optimizer.client_mode,
-        status_loglevel=optimizer.status_loglevel,
-        start=True,
-        **kwargs,
-    )
+VettedProgressTracker = vetted(HookedProgressTracker)  # what hivemind.Optimizer's tracker is in a SwarmOptimizer

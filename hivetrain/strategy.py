@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 import signal
 import threading
@@ -24,7 +23,6 @@ from typing import Any, Callable, Optional
 import hivemind
 import lightning.pytorch as pl
 import torch
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
@@ -35,29 +33,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from hivetrain.diloco import DiLoCoRounds
-from hivetrain.record_guard import make_vetted_progress_tracker
+from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
+from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.swarm import RECORD_LIFETIME, DHTOptions, keeping_sigint, start_dht, withdraw_records
 
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _cuda_is_available() -> bool:
-    return torch.cuda.is_available()
-
-
-def _check_pinned_once(tensor: torch.Tensor) -> bool:
-    try:
-        return _cuda_is_available() and tensor.is_pinned()
-    except RuntimeError:  # as hivemind's own: torch could not initialise CUDA
-        return False
-
-
-# hivemind asks torch.cuda.is_available() for every tensor part it serialises. Lightning sets
-# PYTORCH_NVML_BASED_CUDA_CHECK=1 (so that forked processes may still use CUDA), which makes each of those calls try to
-# load NVML anew: on a machine without a GPU that costs the averager processes a few percent of a core. Availability
-# does not change while a process runs; ask once.
-hivemind.utils.tensor_descr._safe_check_pinned = _check_pinned_once
+ask_cuda_availability_once()
 
 COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
@@ -197,7 +180,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         others publishes its empty progress itself and hands what it reads to its tracker, so that from the first step
         on the tracker counts the others and the first epoch is averaged.
         """
-        return _announce_and_count_peers(self.dht, self.tracker)
+        return announce_and_count_peers(self.dht, self.tracker)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -248,10 +231,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.load_state_from_peers()
         logger.info(f"Joined the swarm at outer round {self.local_epoch}")
 
-    def _follow_swarm_schedule(self) -> None:
+    def _follow_swarm_schedule(self, in_optimizer_step: bool = False) -> None:
         """The inner LR schedule follows the swarm, not this peer's own step count: after round r it stands at least
         at r x H steps, so a late joiner, or a slow peer that took fewer inner steps, continues the swarm's schedule."""
-        _advance_schedules(self.lr_scheduler_configs, self.rounds.round * self.options.inner_steps)
+        _advance_schedules(self.lr_scheduler_configs, self.rounds.round * self.options.inner_steps, in_optimizer_step)
 
     @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -261,7 +244,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if self.rounds.after_inner_step(self.options.batch_size, finite=finite):
                 if not finite:
                     optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
-                self._follow_swarm_schedule()
+                self._follow_swarm_schedule(in_optimizer_step=True)
         return output
 
     @override
@@ -337,21 +320,10 @@ def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[t
     )
 
 
-def _announce_and_count_peers(dht: hivemind.DHT, tracker: ProgressTracker) -> int:
-    """Publish this peer's empty progress and read everyone's into its tracker (see
-    HivemindStrategy.announce_and_count_peers)."""
-    own = tracker._get_local_progress(tracker.local_progress.epoch, samples_accumulated=0)
-    dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=own.dict(),
-              expiration_time=get_dht_time() + tracker.metadata_expiration)
-    found = dht.get(tracker.training_progress_key, latest=True)
-    with tracker.lock_global_progress:
-        tracker.global_progress = tracker._parse_swarm_progress_data(found.value if found is not None else None)
-    tracker.global_state_updated.set()  # its fetcher plans its next look from this progress
-    return tracker.global_progress.num_peers
-
-
-def _advance_schedules(lr_scheduler_configs: list, steps: int) -> None:
-    """Step each LR scheduler until it stands at least at `steps`."""
+def _advance_schedules(lr_scheduler_configs: list, steps: int, in_optimizer_step: bool) -> None:
+    """Step each LR scheduler until it stands at least at `steps`. Inside an optimizer step, one short: Lightning
+    steps the schedulers (interval "step", schedule_per_inner_step) right after it, for the step just taken."""
+    steps -= int(in_optimizer_step)
     for config in lr_scheduler_configs:
         with warnings.catch_warnings():  # a joiner advances its schedule before its first optimizer step
             warnings.simplefilter("ignore", UserWarning)
@@ -433,12 +405,12 @@ class DiLoCoDDPStrategy(DDPStrategy):
         """Collective: rank 0 downloads the swarm's outer state, every rank continues from it."""
         if self.rounds is not None:
             self.rounds.load_state_from_peers()
-        self._share_outer_state(changed=True)
+        self._share_outer_state(changed=True, in_optimizer_step=False)
 
     def announce_and_count_peers(self) -> int:
         """Collective: rank 0 announces this peer and counts the training peers (HivemindStrategy's), every rank
         gets the count."""
-        count = _announce_and_count_peers(self.dht, self.tracker) if self.rounds is not None else 0
+        count = announce_and_count_peers(self.dht, self.tracker) if self.rounds is not None else 0
         return self._broadcast_ints(count)[0]
 
     # --- Lightning ------------------------------------------------------------------------------------------------
@@ -470,7 +442,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         for config in self.lr_scheduler_configs:
             check_scheduler(config.scheduler, self.optimizers[0])
         self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
-        _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
+        _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step=False)
         self._own_sigterm_handler = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
 
     @override
@@ -495,7 +467,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         changed = False
         if self.rounds is not None and (samples or non_finite):
             changed = self.rounds.after_inner_step(samples, finite=not non_finite)
-        if self._share_outer_state(changed) and non_finite:
+        if self._share_outer_state(changed, in_optimizer_step=True) and non_finite:
             optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
         return output
 
@@ -513,13 +485,13 @@ class DiLoCoDDPStrategy(DDPStrategy):
                 process.wait()
         super().on_exception(exception)
 
-    def _share_outer_state(self, changed: bool) -> bool:
+    def _share_outer_state(self, changed: bool, in_optimizer_step: bool) -> bool:
         """Rank 0 tells every rank the swarm's round and whether the parameters changed to a new outer state; when
         they did, every rank takes rank 0's parameters and moves its LR schedule to the round. Returns `changed`."""
         changed, self._round = self._broadcast_ints(int(changed), self.rounds.round if self.rounds is not None else 0)
         if changed:
             _sync_module_states(self.lightning_module)  # rank 0's parameters and buffers to every rank
-            _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps)
+            _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step)
         return bool(changed)
 
     def _broadcast_ints(self, *values: int) -> list[int]:
@@ -536,7 +508,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         super().teardown()
 
 
-class SwarmOptimizer(hivemind.Optimizer):
+class SwarmOptimizer(PatchedOptimizer):
     """A hivemind.Optimizer that keeps non-finite updates out of the swarm.
 
     A NaN or Inf loss or gradient (a diverging peer, a bad batch, broken hardware) would be averaged into every peer's
@@ -549,40 +521,13 @@ class SwarmOptimizer(hivemind.Optimizer):
     downloads. The benchmarks report it as the time outside compute, and `missed_rounds`: the averaging rounds this
     peer missed while others were there.
 
-    Its averagers time matchmaking requests out well inside the matchmaking window. hivemind gives `averager_opts` to
-    the state averager only, so the gradient averager kept a 3 s request timeout against a 1 s window: two peers that
-    raced apart then asked each other to lead, waited, and missed every round ("could not find a group").
+    Its progress tracker skips unusable records, and its averaging rounds are scheduled and timed out as
+    PatchedOptimizer says.
     """
 
     swarm_seconds = 0.0
     missed_rounds = 0
-    _make_progress_tracker = make_vetted_progress_tracker  # progress entries anyone wrote are untrusted input
-
-    def _make_gradient_averager(self, factory, **kwargs):
-        kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
-        return super()._make_gradient_averager(factory, **kwargs)
-
-    # A peer alone steps every few batches. hivemind pre-schedules an averaging round before each of those steps and
-    # cancels it at the step, but the cancelled round keeps the averager's matchmaking busy, and the real rounds queue
-    # behind it ("Another look_for_group is already in progress") and time out: peers that started alone then missed
-    # round after round together. Alone, there is nothing to schedule.
-    def _maybe_schedule_gradient_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_gradient_averaging()
-
-    def _maybe_schedule_state_averaging(self) -> None:
-        if self.tracker.global_progress.num_peers > 1:
-            super()._maybe_schedule_state_averaging()
-
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
-        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is None:  # no round was begun (no other peers): nothing was missed
-            self._missed_round = False
-            return
-        try:
-            self._missed_round = not maybe_step_control.done() or maybe_step_control.exception() is not None
-        except BaseException:  # a cancelled round
-            self._missed_round = True
+    tracker_class = VettedProgressTracker  # progress entries anyone wrote are untrusted input
 
     def load_state_from_peers(self, **kwargs) -> None:
         started = time.perf_counter()
@@ -604,12 +549,12 @@ class SwarmOptimizer(hivemind.Optimizer):
             self.zero_grad(set_to_none=True)
             self.load_state_from_peers()
             return loss
-        self._missed_round = False
+        self.missed_round = False
         seconds, epoch, started = self.swarm_seconds, self.local_epoch, time.perf_counter()
         super().step(batch_size=batch_size, grad_scaler=grad_scaler)
         if self.local_epoch != epoch:  # the whole step was the swarm's (a state download inside it included)
             self.swarm_seconds = seconds + time.perf_counter() - started
-        if self._missed_round and self.tracker.global_progress.num_peers > 1:
+        if self.missed_round and self.tracker.global_progress.num_peers > 1:
             # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
             # drift one epoch apart (where each peer's rounds come when the others are not looking).
             logger.warning("Missed the swarm's averaging round: loading its state instead of drifting")

@@ -26,6 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
 from hivetrain.config import RunConfig
+from hivetrain.hivemind_internals import hivemind_log_handler, progress_subkey
 from hivetrain.record_guard import (KeyRule, add_validators_once, guard_keys, guard_run_keys, usable_entries,
                                     warn_skipped)
 
@@ -130,9 +131,7 @@ class _OneLinePerEvent(logging.Filter):
 def one_line_per_event() -> None:
     """Install _OneLinePerEvent on hivemind's log handler (a role's default; --verbose keeps hivemind's detail). Call
     it before starting the DHT: its processes are forked and inherit the filter."""
-    from hivemind.utils import logging as hivemind_logging
-
-    handler = hivemind_logging._default_handler
+    handler = hivemind_log_handler()
     if handler is not None and not any(isinstance(f, _OneLinePerEvent) for f in handler.filters):
         handler.addFilter(_OneLinePerEvent())
 
@@ -269,7 +268,7 @@ def withdraw_records(dht: hivemind.DHT, tracker: Any, averagers: list[Any], time
     expiration = get_dht_time() + RECORD_LIFETIME
     stores = []
     if tracker is not None:
-        stores.append(dht.store(tracker.training_progress_key, subkey=tracker._local_public_key, value=None,
+        stores.append(dht.store(tracker.training_progress_key, subkey=progress_subkey(tracker), value=None,
                                 expiration_time=expiration, return_future=True))
     for averager in averagers:
         averager.allow_state_sharing = False  # its own process stops re-declaring the offer

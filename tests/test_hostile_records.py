@@ -27,8 +27,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from conftest import start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.diloco import RoundTracker, outer_state_prefix
-from hivetrain.record_guard import (RateLimitedWarnings, VettedProgressTracker, guard_run_keys,
-                                    make_vetted_progress_tracker, vetted)
+from hivetrain.record_guard import RateLimitedWarnings, VettedProgressTracker, guard_run_keys, vetted
+from hivetrain.strategy import SwarmOptimizer
 from hivetrain.swarm import RUN_KEY, fetch_run_config, publish_run_config, read_records
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record, read_peer_records, \
     read_swarm_progress
@@ -287,12 +287,6 @@ def test_warnings_are_rate_limited_per_key_and_reason(caplog):
     ]
 
 
-class TinyOptimizer(hivemind.Optimizer):
-    """A hivemind.Optimizer wired as SwarmOptimizer is to be: its progress tracker vetted."""
-
-    _make_progress_tracker = make_vetted_progress_tracker
-
-
 def test_the_trackers_wired_with_vetting_start_among_hostile_progress(cleanup):
     """hivemind.Optimizer's tracker (through its factory method) and diloco's RoundTracker, vetted, on a node that
     holds a malformed and an unsigned progress entry: they start, and count the honest peer only."""
@@ -313,10 +307,10 @@ def test_the_trackers_wired_with_vetting_start_among_hostile_progress(cleanup):
     assert (rounds.global_progress.num_peers, rounds.target_batch_size) == (1, 64)
 
     model = torch.nn.Linear(2, 1)
-    optimizer = TinyOptimizer(dht=joiner, run_id=run_id, params=model.parameters(), target_batch_size=64,
+    optimizer = SwarmOptimizer(dht=joiner, run_id=run_id, params=model.parameters(), target_batch_size=64,
                               batch_size_per_step=8, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     cleanup.insert(2, optimizer)  # shut down before its DHT (cleanup goes in reverse)
-    assert type(optimizer.tracker).__name__ == "VettedProgressTracker"
+    assert type(optimizer.tracker) is VettedProgressTracker
     assert optimizer.tracker.global_progress.num_peers == 1
 
 
