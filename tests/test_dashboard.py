@@ -282,6 +282,7 @@ def test_the_coordinator_stores_and_the_dashboard_shows_hostile_well_formed_reco
     try:
         with MetricsWriter(store) as writer:
             monitor = SwarmMonitor(coordinator, config, writer)
+            assert monitor.refresh().alive_peers == 0  # the coordinator is up (and guards the run's keys) first
             for record in records:  # one signing key in this process: one record at a time, each its own store row
                 publish_peer_record(peer, config.run_id, record, wait=True)
                 assert monitor.refresh().alive_peers == (0 if record.left else 1), record.peer_id
