@@ -8,9 +8,8 @@ A checkpoint is a single uncompressed tar `ckpt-<epoch:06d>.tar` holding
     optimizer.pt         optimizer and LR-scheduler state dicts (absent when there are none)
 
 The manifest's hashes are the one end-to-end integrity check: every load verifies them, wherever the bundle has been.
-One file makes a save atomic everywhere: files.atomic_write locally, a single object in S3 (readers never see a
-partial object). `best.json` beside the checkpoints names the best one and is replaced the same way after the
-checkpoint it names is complete, so "best" never points to a half-written file.
+One file makes a save atomic everywhere: files.atomic_write locally, a single object in S3. `best.json` beside the
+checkpoints names the best one and is replaced the same way once the checkpoint it names is complete.
 
     store = open_store("s3://bucket/runs/demo")          # or a local folder
     store.save(Checkpoint.from_model(model, config, epoch, metrics, optimizer, scheduler), best=True)
@@ -31,7 +30,6 @@ import tarfile
 import tempfile
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +43,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from hivetrain.config import RunConfig
 from hivetrain.files import atomic_write
@@ -55,8 +53,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "hivetrain-checkpoint/1"
 MANIFEST, CONFIG, METRICS, WEIGHTS, OPTIMIZER = (
     "manifest.json", "config.json", "metrics.json", "weights.safetensors", "optimizer.pt")
-MEMBERS = (MANIFEST, CONFIG, METRICS, WEIGHTS, OPTIMIZER)  # tar order: the small files first, cheap to peek at
-REQUIRED = (CONFIG, METRICS, WEIGHTS)
 BEST = "best.json"
 NAME_RE = re.compile(r"^ckpt-(\d{6,})\.tar$")
 MiB = 1024 * 1024
@@ -79,13 +75,8 @@ def checkpoint_name(epoch: int) -> str:
     return f"ckpt-{epoch:06d}.tar"
 
 
-def epoch_of(name: str) -> int | None:
-    match = NAME_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The bundle
+def epoch_of(name: str) -> int:
+    return int(NAME_RE.match(name).group(1))
 
 
 @dataclass
@@ -116,106 +107,70 @@ class Checkpoint:
         return model
 
 
-def _anonymous(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    # Checkpoints travel to shared buckets: keep the writer's user and group names out of them.
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mode = 0o644
-    return info
-
-
 def write_checkpoint(checkpoint: Checkpoint, path: str | Path) -> Path:
-    """Write the bundle to `path` atomically (files.atomic_write)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config = checkpoint.config
-    metrics = {"time": time.time(), **checkpoint.metrics, "epoch": checkpoint.epoch}
-    # The members go to a scratch folder first: the manifest needs their hashes, and streaming them from disk keeps a
-    # 1 GB optimizer state from being held twice in memory.
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".staging-") as scratch:
-        scratch = Path(scratch)
-        save_file(checkpoint.weights, str(scratch / WEIGHTS), metadata=dict(
-            run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(checkpoint.epoch)))
-        if checkpoint.optimizer is not None or checkpoint.scheduler is not None:
-            torch.save(dict(optimizer=checkpoint.optimizer, scheduler=checkpoint.scheduler), scratch / OPTIMIZER)
-        (scratch / CONFIG).write_text(config.to_json())
-        (scratch / METRICS).write_text(json.dumps(metrics, sort_keys=True))
-        files = {}
-        for name in MEMBERS[1:]:
-            if (scratch / name).exists():
-                with open(scratch / name, "rb") as f:
-                    files[name] = dict(size=(scratch / name).stat().st_size,
-                                       sha256=hashlib.file_digest(f, "sha256").hexdigest())
-        (scratch / MANIFEST).write_text(json.dumps(dict(format=FORMAT, run_id=config.run_id, epoch=checkpoint.epoch,
-                                                        fingerprint=config.fingerprint, files=files), indent=1,
-                                                   sort_keys=True))
+    config, epoch = checkpoint.config, checkpoint.epoch
+    metrics = {"time": time.time(), **checkpoint.metrics, "epoch": epoch}
+    members = {CONFIG: config.to_json().encode(), METRICS: json.dumps(metrics, sort_keys=True).encode(),
+               WEIGHTS: save_safetensors(checkpoint.weights, metadata=dict(
+                   run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(epoch)))}
+    if checkpoint.optimizer is not None or checkpoint.scheduler is not None:
+        buffer = io.BytesIO()
+        torch.save(dict(optimizer=checkpoint.optimizer, scheduler=checkpoint.scheduler), buffer)
+        members[OPTIMIZER] = buffer.getvalue()
+    files = {name: dict(size=len(data), sha256=hashlib.sha256(data).hexdigest()) for name, data in members.items()}
+    manifest = dict(format=FORMAT, run_id=config.run_id, fingerprint=config.fingerprint, epoch=epoch, files=files)
 
-        def write_tar(f) -> None:
-            with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for name in MEMBERS:
-                    if (scratch / name).exists():
-                        tar.add(scratch / name, arcname=name, recursive=False, filter=_anonymous)
+    def write_tar(f) -> None:
+        # The manifest and the small files first, cheap to peek at. No user names (tar's defaults): buckets are shared.
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in {MANIFEST: json.dumps(manifest, indent=1).encode(), **members}.items():
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), int(time.time())
+                tar.addfile(info, io.BytesIO(data))
 
-        return atomic_write(path, write_tar)
+    return atomic_write(path, write_tar)
 
 
-def _member_file(tar: tarfile.TarFile, name: str):
+def _member(tar: tarfile.TarFile, name: str) -> bytes:
     try:
         f = tar.extractfile(tar.getmember(name))
     except KeyError:
         raise CheckpointCorrupted(f"has no {name}") from None
     if f is None:
         raise CheckpointCorrupted(f"{name} is not a regular file")
-    return f
-
-
-def _verify_members(tar: tarfile.TarFile) -> dict[str, Any]:
-    """Check every file against the manifest, streaming, before anything is parsed; returns the manifest."""
-    manifest = json.loads(_member_file(tar, MANIFEST).read())
-    if manifest.get("format") != FORMAT:
-        raise CheckpointCorrupted(f"format {manifest.get('format')!r} is not {FORMAT!r}")
-    files = manifest["files"]
-    for name in REQUIRED:
-        if name not in files:
-            raise CheckpointCorrupted(f"its manifest lists no {name}")
-    for name, expected in files.items():
-        f = _member_file(tar, name)
-        if (size := tar.getmember(name).size) != expected["size"]:
-            raise CheckpointCorrupted(f"{name} has {size} bytes, its manifest says {expected['size']}")
-        if hashlib.file_digest(f, "sha256").hexdigest() != expected["sha256"]:
-            raise CheckpointCorrupted(f"{name} does not match its sha256 in the manifest")
-    return manifest
-
-
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    # The format starts with an 8-byte little-endian header length, then a JSON header holding "__metadata__".
-    (length,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + length]).get("__metadata__") or {}
+    return f.read()
 
 
 def read_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
     """Load a bundle after checking every file against its manifest; `label` names it in errors (e.g. its S3 URI)."""
-    path = Path(path)
     label = label or str(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise CheckpointNotFound(f"checkpoint {label} does not exist")
     try:
         # One open file throughout: a concurrent os.replace of the same name cannot mix two checkpoints.
         with tarfile.open(path, mode="r:") as tar:
-            manifest = _verify_members(tar)
-            config = RunConfig.from_json(_member_file(tar, CONFIG).read().decode())
-            metrics = json.loads(_member_file(tar, METRICS).read())
-            data = _member_file(tar, WEIGHTS).read()
-            meta, weights = _safetensors_metadata(data), load_safetensors(data)
-            del data
-            state = {}
-            if OPTIMIZER in manifest["files"]:
-                # weights_only: a checkpoint may come from a shared bucket, and full unpickling would run its code.
-                state = torch.load(io.BytesIO(_member_file(tar, OPTIMIZER).read()), map_location="cpu",
-                                   weights_only=True) or {}
+            manifest = json.loads(_member(tar, MANIFEST))
+            if manifest.get("format") != FORMAT:
+                raise CheckpointCorrupted(f"format {manifest.get('format')!r} is not {FORMAT!r}")
+            data = {name: _member(tar, name) for name in (CONFIG, METRICS, WEIGHTS, *manifest["files"])}
+        for name, content in data.items():
+            expected = manifest["files"].get(name)
+            if expected is None:
+                raise CheckpointCorrupted(f"its manifest lists no {name}")
+            if len(content) != expected["size"]:
+                raise CheckpointCorrupted(f"{name} has {len(content)} bytes, its manifest says {expected['size']}")
+            if hashlib.sha256(content).hexdigest() != expected["sha256"]:
+                raise CheckpointCorrupted(f"{name} does not match its sha256 in the manifest")
+        config, metrics = RunConfig.from_json(data[CONFIG].decode()), json.loads(data[METRICS])
+        # safetensors starts with an 8-byte little-endian header length, then a JSON header holding "__metadata__"
+        meta = json.loads(data[WEIGHTS][8:8 + struct.unpack("<Q", data[WEIGHTS][:8])[0]]).get("__metadata__") or {}
+        weights = load_safetensors(data.pop(WEIGHTS))
+        # weights_only: a checkpoint may come from a shared bucket, and full unpickling would run its code.
+        state = torch.load(io.BytesIO(data[OPTIMIZER]), map_location="cpu", weights_only=True) if OPTIMIZER in data \
+            else {}
     except CheckpointCorrupted as e:
         raise CheckpointCorrupted(f"checkpoint {label} is corrupted: {e}") from None
-    except (tarfile.TarError, EOFError, ValueError, KeyError, TypeError, struct.error, SafetensorError,
+    except (tarfile.TarError, EOFError, ValueError, KeyError, TypeError, AttributeError, struct.error, SafetensorError,
             pickle.UnpicklingError) as e:
         # tarfile reports a truncated file as ReadError("unexpected end of data") or a bad header; JSON as ValueError.
         raise CheckpointCorrupted(f"checkpoint {label} is truncated or corrupted: {type(e).__name__}: {e}") from None
@@ -231,13 +186,13 @@ def peek_metrics(path: Path) -> dict[str, Any]:
     """metrics.json of a bundle without verifying it (for listings); empty when it is unreadable."""
     try:
         with tarfile.open(path, mode="r:") as tar:
-            return json.loads(_member_file(tar, METRICS).read())
+            return json.loads(_member(tar, METRICS))
     except (OSError, tarfile.TarError, EOFError, ValueError, CheckpointCorrupted):
         return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Stores
+# Stores: save(checkpoint, best) -> URI, best_uri(), list() oldest first, load(uri or the best), flush(), close()
 
 
 @dataclass(frozen=True)
@@ -249,34 +204,17 @@ class CheckpointEntry:
     top1: Optional[float]
     time: Optional[float]  # unix time the checkpoint was made
     is_best: bool
-    pending: bool = False  # S3 only: still in the local staging folder, waiting for S3 to come back
 
 
-class CheckpointStore(ABC):
-    """Where checkpoints live: `save` one and return its URI (with best=True it becomes the best once it is complete),
-    name the best, keep the newest `keep_last` (plus the best; None keeps all), `list` them oldest epoch first."""
+class CheckpointStore:
+    """Keeps the newest `keep_last` checkpoints (None: all) plus the best one."""
 
     uri: str
     keep_last: Optional[int]
 
-    @abstractmethod
-    def save(self, checkpoint: Checkpoint, best: bool = False) -> str: ...
-
-    @abstractmethod
-    def mark_best(self, uri: str) -> None: ...
-
-    @abstractmethod
-    def best_uri(self) -> str | None: ...
-
-    @abstractmethod
-    def list(self) -> list[CheckpointEntry]: ...
-
-    @abstractmethod
-    def _load(self, uri: str) -> Checkpoint: ...
-
     def load(self, uri: str | None = None) -> Checkpoint:
         """A checkpoint by URI; without one, the best, else the newest."""
-        uri = uri or self.best_uri() or next((e.uri for e in reversed(self.list())), None)
+        uri = uri or self.best_uri() or next((entry.uri for entry in reversed(self.list())), None)
         if uri is None:
             raise CheckpointNotFound(f"no checkpoints in {self.uri}")
         return self._load(uri)
@@ -285,7 +223,7 @@ class CheckpointStore(ABC):
         """Wait for pending uploads; True when nothing is pending. Local stores never have any."""
         return True
 
-    def close(self) -> None:  # noqa: B027 (a local store holds nothing to release)
+    def close(self) -> None:
         pass
 
     def __enter__(self) -> CheckpointStore:
@@ -295,15 +233,21 @@ class CheckpointStore(ABC):
         self.close()
 
     def _to_delete(self, names: list[str], best: str | None) -> list[str]:
-        """The checkpoints beyond the newest keep_last, except the best."""
-        if self.keep_last is None:
-            return []
-        ordered = sorted(names, key=lambda n: epoch_of(n) or 0)
-        return [n for n in ordered[:max(len(ordered) - self.keep_last, 0)] if n != best]
+        ordered = sorted(names, key=epoch_of)
+        old = ordered[:max(len(ordered) - self.keep_last, 0)] if self.keep_last is not None else []
+        return [name for name in old if name != best]
 
 
 def _best_record(name: str, top1: float | None) -> bytes:
     return json.dumps(dict(name=name, epoch=epoch_of(name), top1=top1, time=time.time())).encode()
+
+
+def _best_name(record: bytes | None, where: str) -> str | None:
+    try:
+        return json.loads(record)["name"] if record is not None else None
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning(f"Ignoring an unreadable {where}: {e}")
+        return None
 
 
 class LocalCheckpointStore(CheckpointStore):
@@ -312,75 +256,48 @@ class LocalCheckpointStore(CheckpointStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self.uri, self.keep_last = str(self.root), keep_last
 
-    def _names(self) -> list[str]:
-        return sorted((p.name for p in self.root.iterdir() if NAME_RE.match(p.name)), key=lambda n: epoch_of(n) or 0)
-
     def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
         path = write_checkpoint(checkpoint, self.root / checkpoint_name(checkpoint.epoch))
-        self.mark_best(str(path)) if best else self._prune()
+        if best:
+            atomic_write(self.root / BEST, _best_record(path.name, checkpoint.metrics.get("top1")))
+        for name in self._to_delete([p.name for p in self._paths()], self._best()):
+            (self.root / name).unlink(missing_ok=True)
         return str(path)
 
-    def mark_best(self, uri: str) -> None:
-        path = Path(uri).expanduser()
-        if path.parent.resolve() != self.root.resolve() or not NAME_RE.match(path.name) or not path.is_file():
-            raise CheckpointNotFound(f"{uri} is not a checkpoint of {self.root}")
-        atomic_write(self.root / BEST, _best_record(path.name, peek_metrics(path).get("top1")))
-        self._prune()
+    def _paths(self) -> list[Path]:
+        return sorted((p for p in self.root.iterdir() if NAME_RE.match(p.name)), key=lambda p: epoch_of(p.name))
 
-    def _best_name(self) -> str | None:
-        try:
-            name = json.loads((self.root / BEST).read_text())["name"]
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning(f"Ignoring an unreadable {self.root / BEST}: {e}")
-            return None
+    def _best(self) -> str | None:
+        name = _best_name((self.root / BEST).read_bytes() if (self.root / BEST).exists() else None, self.root / BEST)
         return name if isinstance(name, str) and NAME_RE.match(name) and (self.root / name).is_file() else None
 
     def best_uri(self) -> str | None:
-        name = self._best_name()
-        return str(self.root / name) if name else None
+        return str(self.root / name) if (name := self._best()) else None
 
     def list(self) -> list[CheckpointEntry]:
-        best, entries = self._best_name(), []
-        for name in self._names():
-            try:
-                stat = (self.root / name).stat()
-            except FileNotFoundError:  # pruned by a concurrent save
-                continue
-            metrics = peek_metrics(self.root / name)
-            entries.append(CheckpointEntry(str(self.root / name), name, epoch_of(name) or 0, stat.st_size,
-                                           metrics.get("top1"), metrics.get("time", stat.st_mtime), name == best))
-        return entries
+        best = self._best()
+        return [CheckpointEntry(str(p), p.name, epoch_of(p.name), p.stat().st_size, metrics.get("top1"),
+                                metrics.get("time"), p.name == best)
+                for p in self._paths() if (metrics := peek_metrics(p))]  # {}: pruned by a concurrent save
 
     def _load(self, uri: str) -> Checkpoint:
         return read_checkpoint(uri)
 
-    def _prune(self) -> None:
-        for name in self._to_delete(self._names(), self._best_name()):
-            (self.root / name).unlink(missing_ok=True)
-
 
 @dataclass(frozen=True)
 class S3Options:
-    region_name: Optional[str] = None  # None: the AWS chain's (AWS_DEFAULT_REGION, ~/.aws/config), else us-east-1
     staging_dir: Optional[Path] = None  # local copies until uploaded; None: ~/.cache/hivetrain/checkpoint-staging/...
     multipart_threshold: int = 64 * MiB  # bigger files go up in parts, several at once
     multipart_chunksize: int = 64 * MiB  # S3 wants parts of 5 MiB or more (boto3 raises smaller values to 5 MiB)
-    max_concurrency: int = 4  # parts in flight
-    connect_timeout: float = 3.0  # seconds; short, so an outage costs a save seconds, not minutes
-    read_timeout: float = 30.0
     retry_initial: float = 1.0  # seconds before the first background retry; doubles up to retry_max
     retry_max: float = 60.0
     resume_pending: bool = True  # upload what an earlier process left in staging_dir (it exited during an outage)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://"):
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if not uri.startswith("s3://") or not bucket:
         raise ValueError(f"{uri!r} is not an s3://bucket/key URI")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not bucket:
-        raise ValueError(f"{uri!r} names no bucket")
     return bucket, key.strip("/")
 
 
@@ -398,8 +315,8 @@ def _describe(e: BaseException) -> str:
 
 def _float(value: str | None) -> float | None:
     try:
-        return float(value) if value is not None else None
-    except ValueError:
+        return float(value)
+    except (TypeError, ValueError):
         return None
 
 
@@ -409,40 +326,34 @@ class S3CheckpointStore(CheckpointStore):
     Credentials come from the standard AWS chain only (env vars, ~/.aws, instance profile). A save writes the bundle to
     a local staging folder, uploads it and deletes the local copy. boto3 does the transfer: multipart above the
     threshold, botocore's standard retries, a CRC32 on every upload request that S3 checks, and one on every
-    whole-object download that botocore checks. When S3 stays unreachable the copy stays, one warning is logged, and a
-    background thread retries with backoff, in order; `flush` waits for it. A refusal (a 4xx) raises instead.
+    whole-object download that botocore checks. When S3 stays unreachable the copy stays (a `<name>.best` marker beside
+    it if it is to be the best), one warning is logged, and a background thread uploads the queue in order, with
+    backoff; `flush` waits for it. A refusal (a 4xx) raises instead.
     """
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, keep_last: int | None = 5,
                  options: S3Options | None = None):
         self.bucket, self.prefix, self.keep_last = bucket, prefix.strip("/"), keep_last
         self.options = options = options or S3Options()
-        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.staging = Path(options.staging_dir or DEFAULT_STAGING_DIR / bucket / (self.prefix or "_root")).expanduser()
-        self._s3 = boto3.session.Session(region_name=options.region_name).client("s3", endpoint_url=endpoint_url,
-            config=Config(connect_timeout=options.connect_timeout, read_timeout=options.read_timeout,
-                          retries=dict(mode="standard")))
+        # A short connect timeout: an outage costs a save seconds, not minutes, before the queue takes over.
+        self._s3 = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=Config(
+            connect_timeout=3, read_timeout=30, retries=dict(mode="standard")))
         self._transfer = TransferConfig(multipart_threshold=options.multipart_threshold,
-                                        multipart_chunksize=options.multipart_chunksize,
-                                        max_concurrency=options.max_concurrency)
+                                        multipart_chunksize=options.multipart_chunksize)
         self._pending: deque[Path] = deque()  # staged copies waiting for S3, oldest first
         self._cond = threading.Condition()
         self._upload_lock = threading.Lock()  # one upload (and its best pointer and pruning) at a time
         self._worker: threading.Thread | None = None
         self._retry_now = self._closed = False  # flush() cuts the worker's backoff short
         if options.resume_pending and self.staging.is_dir():
-            leftovers = sorted(p for p in self.staging.iterdir() if NAME_RE.match(p.name))
-            if leftovers:
-                logger.info(f"Uploading {len(leftovers)} checkpoint(s) left in {self.staging} by an earlier run")
-                with self._cond:
-                    self._pending.extend(leftovers)
-                    self._start_worker()
+            with self._cond:
+                self._pending.extend(sorted(p for p in self.staging.iterdir() if NAME_RE.match(p.name)))
+                self._start_worker()
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def _uri(self, name: str) -> str:
-        return f"s3://{self.bucket}/{self._key(name)}"
+        return f"{self.prefix}/{name}".lstrip("/")
 
     def _name(self, uri: str) -> str:
         bucket, key = parse_s3_uri(uri)
@@ -455,9 +366,9 @@ class S3CheckpointStore(CheckpointStore):
     def _marker(path: Path) -> Path:
         return path.with_name(path.name + ".best")  # survives a restart, so a resumed upload still becomes the best
 
-    def _staged(self, name: str) -> Path | None:
+    def _staged(self) -> list[Path]:
         with self._cond:
-            return next((path for path in self._pending if path.name == name), None)
+            return list(self._pending)
 
     def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
         if self._closed:
@@ -466,15 +377,17 @@ class S3CheckpointStore(CheckpointStore):
         if best:
             atomic_write(self._marker(path), b"")
         with self._cond:
-            if self._pending:  # S3 is away: queue behind the others, in order, without waiting for a timeout
+            queued = bool(self._pending)
+            if queued:  # S3 is away: queue behind the others, in order, without waiting for a timeout
                 self._pending.append(path)
                 self._start_worker()
-                return self._uri(path.name)
+        if queued:
+            return f"{self.uri}/{path.name}"
         try:
             self._upload(path)
         except Exception as e:
             if _refused(e):
-                raise CheckpointError(f"S3 refused {self._uri(path.name)} ({_describe(e)}); "
+                raise CheckpointError(f"S3 refused {self.uri}/{path.name} ({_describe(e)}); "
                                       f"the local copy stays at {path}") from e
             # Only an empty queue gets here, so this is a new outage: its one warning. Saves during it queue above.
             logger.warning(f"S3 unreachable, keeping the local copy at {path}, retrying in the background "
@@ -482,7 +395,7 @@ class S3CheckpointStore(CheckpointStore):
             with self._cond:
                 self._pending.append(path)
                 self._start_worker()
-        return self._uri(path.name)
+        return f"{self.uri}/{path.name}"
 
     def _upload(self, path: Path) -> None:
         with self._upload_lock:
@@ -492,19 +405,21 @@ class S3CheckpointStore(CheckpointStore):
                 return
             metrics = peek_metrics(path)
             # Listing shows top1 and time from these without downloading the object. Values must be ASCII.
-            metadata = {k: repr(float(metrics[k])) for k in ("top1", "time") if isinstance(metrics.get(k), (int, float))}
+            metadata = {k: repr(float(v)) for k, v in metrics.items() if k in ("top1", "time") and v is not None}
             self._s3.upload_file(str(path), self.bucket, self._key(path.name), Config=self._transfer, ExtraArgs=dict(
                 Metadata=metadata, ChecksumAlgorithm="CRC32", ContentType="application/x-tar"))
-            if self._marker(path).exists():  # checked late: mark_best may have come during the upload
-                self._put_best(path.name, metrics.get("top1"))
-            self._prune()
+            if self._marker(path).exists():
+                self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), ContentType="application/json",
+                                    Body=_best_record(path.name, metrics.get("top1")), ChecksumAlgorithm="CRC32")
+            for name in self._to_delete(list(self._objects()), self._best()):
+                self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
             after = path.stat()
             if (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns):
                 path.unlink()  # else a newer save of this epoch replaced it meanwhile: its own queued item sends it
                 self._marker(path).unlink(missing_ok=True)
 
     def _start_worker(self) -> None:  # with self._cond held
-        if self._worker is None and not self._closed:
+        if self._worker is None and self._pending and not self._closed:
             self._worker = threading.Thread(target=self._drain, name="checkpoint-upload", daemon=True)
             self._worker.start()
 
@@ -538,121 +453,70 @@ class S3CheckpointStore(CheckpointStore):
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._cond:
-            if self._pending and not self._closed:
-                self._retry_now = True  # S3 may be back already: do not sit out the rest of a long backoff
-                self._start_worker()
-                self._cond.notify_all()
-                self._cond.wait_for(lambda: not self._pending, timeout=timeout)
-            return not self._pending
+            self._retry_now = True  # S3 may be back already: do not sit out the rest of a long backoff
+            self._start_worker()
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: not self._pending or self._closed, timeout=timeout) and not self._pending
 
     def close(self) -> None:
         """Stop retrying. Checkpoints not uploaded yet stay in the staging folder for the next store on it."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            worker, left = self._worker, len(self._pending)
+            worker = self._worker
         if worker is not None:
             worker.join()  # at most the upload in progress
-        if left:
-            logger.warning(f"{left} checkpoint(s) not uploaded to {self.uri} yet; they stay in {self.staging} "
-                           f"and upload when a store on that folder opens again")
 
-    def _put_best(self, name: str, top1: float | None) -> None:
-        self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), Body=_best_record(name, top1),
-                            ContentType="application/json", ChecksumAlgorithm="CRC32")
-
-    def mark_best(self, uri: str) -> None:
-        name = self._name(uri)
-        if staged := self._staged(name):
-            atomic_write(self._marker(staged), b"")  # _upload names it the best once it is in S3
-            return
-        with self._upload_lock:
-            try:
-                head = self._s3.head_object(Bucket=self.bucket, Key=self._key(name))
-            except ClientError as e:
-                raise _not_found_or(e, uri) from e
-            self._put_best(name, _float(head["Metadata"].get("top1")))
-            self._prune()
-
-    def _best_name(self) -> str | None:
-        with self._cond:  # a staged best is the newest best
-            staged = [path.name for path in self._pending if self._marker(path).exists()]
-        if staged:
-            return staged[-1]
+    def _best(self) -> str | None:
+        if staged := [p for p in self._staged() if self._marker(p).exists()]:  # the newest best still waits for S3
+            return staged[-1].name
         try:
-            return json.loads(self._s3.get_object(Bucket=self.bucket, Key=self._key(BEST))["Body"].read())["name"]
+            return _best_name(self._s3.get_object(Bucket=self.bucket, Key=self._key(BEST))["Body"].read(), BEST)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning(f"Ignoring an unreadable {self._uri(BEST)}: {e}")
-            return None
 
     def best_uri(self) -> str | None:
-        name = self._best_name()
-        return self._uri(name) if name else None
+        return f"{self.uri}/{name}" if (name := self._best()) else None
 
     def _objects(self) -> dict[str, int]:
         """Checkpoint names directly under the prefix, with their sizes."""
-        found, start = {}, f"{self.prefix}/" if self.prefix else ""
-        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start,
-                                                                       Delimiter="/"):
-            for obj in page.get("Contents", []):
-                if NAME_RE.match(name := obj["Key"][len(start):]):
-                    found[name] = obj["Size"]
-        return found
+        pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(""),
+                                                                        Delimiter="/")
+        objects = {obj["Key"].removeprefix(self._key("")): obj["Size"] for p in pages for obj in p.get("Contents", [])}
+        return {name: size for name, size in objects.items() if NAME_RE.match(name)}
 
     def list(self) -> list[CheckpointEntry]:
-        best, entries = self._best_name(), {}
+        best, entries = self._best(), []
         for name, size in self._objects().items():
             meta = self._s3.head_object(Bucket=self.bucket, Key=self._key(name))["Metadata"]
-            entries[name] = CheckpointEntry(self._uri(name), name, epoch_of(name) or 0, size, _float(meta.get("top1")),
-                                            _float(meta.get("time")), name == best)
-        with self._cond:
-            staged = list(self._pending)
-        for path in staged:
-            metrics = peek_metrics(path)
-            entries[path.name] = CheckpointEntry(self._uri(path.name), path.name, epoch_of(path.name) or 0,
-                                                 path.stat().st_size, metrics.get("top1"), metrics.get("time"),
-                                                 path.name == best, pending=True)
-        return sorted(entries.values(), key=lambda e: e.epoch)
-
-    def _prune(self) -> None:
-        for name in self._to_delete(list(self._objects()), self._best_name()):
-            self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
+            entries.append(CheckpointEntry(f"{self.uri}/{name}", name, epoch_of(name), size, _float(meta.get("top1")),
+                                           _float(meta.get("time")), name == best))
+        return sorted(entries, key=lambda e: e.epoch)
 
     def _load(self, uri: str) -> Checkpoint:
         name = self._name(uri)
-        if staged := self._staged(name):  # not uploaded yet: the local copy is the checkpoint
-            return read_checkpoint(staged, label=uri)
+        if staged := [p for p in self._staged() if p.name == name]:  # not uploaded yet: the local copy is it
+            return read_checkpoint(staged[0], label=uri)
         with tempfile.TemporaryDirectory(prefix="hivetrain-ckpt-") as tmp:
-            try:  # the manifest's hashes check the bytes; botocore checks a whole-object GET against S3's CRC32 too
+            try:  # ChecksumMode: botocore checks a whole-object GET against the CRC32 S3 stored
                 self._s3.download_file(self.bucket, self._key(name), f"{tmp}/{name}", Config=self._transfer,
                                        ExtraArgs=dict(ChecksumMode="ENABLED"))
             except ClientError as e:
-                raise _not_found_or(e, uri) from e
-            return read_checkpoint(Path(tmp) / name, label=uri)
-
-
-def _not_found_or(e: ClientError, uri: str) -> Exception:
-    if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-        return CheckpointNotFound(f"checkpoint {uri} does not exist")
-    return e
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Entry points
+                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    raise CheckpointNotFound(f"checkpoint {uri} does not exist") from None
+                raise
+            return read_checkpoint(f"{tmp}/{name}", label=uri)
 
 
 def open_store(uri_or_path: str | Path, keep_last: int | None = 5, endpoint_url: str | None = None,
                options: S3Options | None = None) -> CheckpointStore:
     """A store on a local folder or on `s3://bucket/prefix`."""
-    text = str(uri_or_path)
-    if text.startswith("s3://"):
-        bucket, prefix = parse_s3_uri(text)
+    if str(uri_or_path).startswith("s3://"):
+        bucket, prefix = parse_s3_uri(str(uri_or_path))
         return S3CheckpointStore(bucket, prefix, endpoint_url=endpoint_url, keep_last=keep_last, options=options)
-    return LocalCheckpointStore(text, keep_last=keep_last)
+    return LocalCheckpointStore(uri_or_path, keep_last=keep_last)
 
 
 def load_checkpoint(uri_or_path: str | Path, endpoint_url: str | None = None) -> Checkpoint:
@@ -662,12 +526,9 @@ def load_checkpoint(uri_or_path: str | Path, endpoint_url: str | None = None) ->
     if text.startswith("s3://"):
         bucket, key = parse_s3_uri(text)
         is_object = NAME_RE.match(key.rpartition("/")[2]) is not None
-        prefix = key.rpartition("/")[0] if is_object else key
         # Reading only: leave whatever a running coordinator staged on this machine to that coordinator.
-        with S3CheckpointStore(bucket, prefix, endpoint_url, keep_last=None,
+        with S3CheckpointStore(bucket, key.rpartition("/")[0] if is_object else key, endpoint_url, keep_last=None,
                                options=S3Options(resume_pending=False)) as store:
             return store.load(text if is_object else None)
     path = Path(text).expanduser()
-    if path.is_dir():
-        return LocalCheckpointStore(path, keep_last=None).load()
-    return read_checkpoint(path)
+    return LocalCheckpointStore(path, keep_last=None).load() if path.is_dir() else read_checkpoint(path)

@@ -99,8 +99,8 @@ def test_local_store_keeps_last_k_and_the_best(tmp_path, demo, monkeypatch):
     assert store.best_uri() == uris[2]
     assert store.load().epoch == 2 and load_checkpoint(root).epoch == 2  # a folder means its best
 
-    store.mark_best(uris[5])  # epoch 2 is neither best nor among the last 2 any more
-    assert files() == ["best.json", "ckpt-000004.tar", "ckpt-000005.tar"]
+    uris[5] = store.save(demo.checkpoint(5, with_optimizer=False, top1=0.5), best=True)  # epoch 2 is neither best
+    assert files() == ["best.json", "ckpt-000004.tar", "ckpt-000005.tar"]                 # nor among the last 2 now
     assert [(e.epoch, e.is_best) for e in store.list()] == [(4, False), (5, True)]
 
     # A save that dies half-way (here while writing the optimizer state) changes nothing and leaves no debris.
@@ -165,8 +165,7 @@ def test_s3_round_trip_through_the_evaluate_cli(s3, demo, tmp_path):
         assert uri == f"s3://{BUCKET}/roundtrip/ckpt-000007.tar"
         assert list((tmp_path / "staging-roundtrip").iterdir()) == []  # uploaded: the local copy is gone
         [entry] = store.list()
-        assert (entry.uri, entry.epoch, entry.top1, entry.is_best, entry.pending) == (
-            uri, 7, demo.metrics["top1"], True, False)
+        assert (entry.uri, entry.epoch, entry.top1, entry.is_best) == (uri, 7, demo.metrics["top1"], True)
 
     out = tmp_path / "metrics.json"
     result = run_evaluate_cli("--checkpoint", uri, "--s3-endpoint-url", s3.endpoint_url, "--out", str(out))
@@ -230,8 +229,7 @@ def test_s3_outage_keeps_the_local_copy_and_uploads_when_back(s3, demo, tmp_path
     assert store.flush(timeout=20) is True
     assert list(staging.iterdir()) == []
     # keep_last=2 pruned epoch 1 once epoch 3 arrived; epoch 2 is the best
-    assert [(e.epoch, e.top1, e.is_best, e.pending) for e in store.list()] == [(2, 0.8, True, False),
-                                                                              (3, 0.7, False, False)]
+    assert [(e.epoch, e.top1, e.is_best) for e in store.list()] == [(2, 0.8, True), (3, 0.7, False)]
     store.close()
     again = load_checkpoint(uri2, endpoint_url=s3.endpoint_url)
     assert again.epoch == 2
