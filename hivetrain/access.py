@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from cryptography.hazmat.primitives import serialization
+
+from hivetrain.files import atomic_write
 
 TOKEN_PREFIX = "ht1."
 TOKEN_ENV = "HIVETRAIN_TOKEN"
@@ -87,12 +88,7 @@ def load_authority(path: Path) -> RSAPrivateKey:
             raise ValueError(f"{path} is not an authority key (DER-encoded RSA private key)") from None
         return key
     key = RSAPrivateKey()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(key.to_bytes())
-    os.replace(partial, path)
+    atomic_write(path, key.to_bytes(), mode=0o600)
     return key
 
 
