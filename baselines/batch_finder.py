@@ -222,7 +222,7 @@ def _trial(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     from hivetrain.config import get_preset
-    from hivetrain.model import create_model
+    from hivetrain.model import autocast_dtype, create_model
     from hivetrain.module import make_optimizer
 
     if args.threads:
@@ -238,7 +238,7 @@ def _trial(args: argparse.Namespace) -> int:
     size, classes = config.model.img_size, config.model.num_classes
     images = torch.randn(args.trial, 3, size, size, device=args.device)
     labels = torch.randint(0, classes, (args.trial,), device=args.device)
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(args.precision)
+    dtype = autocast_dtype(args.precision)
     try:
         for _ in range(args.steps):
             with torch.autocast(args.device, dtype=dtype, enabled=dtype is not None):

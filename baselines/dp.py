@@ -20,7 +20,7 @@ from baselines.recorder import RunStats
 from hivetrain.config import RunConfig
 from hivetrain.data import ImageDataModule
 from hivetrain.evaluate import evaluate
-from hivetrain.model import create_model, save_weights
+from hivetrain.model import autocast_dtype, create_model, save_weights
 from hivetrain.module import make_optimizer
 from hivetrain.records import ValidationPoint
 
@@ -32,7 +32,7 @@ def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices:
     model = create_model(config.model, pretrained_weights, seed=config.seed).to(gpus[0])
     parallel = torch.nn.DataParallel(model, device_ids=[g.index for g in gpus])
     optimizer, scheduler = make_optimizer(model, config.optim)
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    dtype = autocast_dtype(precision)
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "16-mixed")  # fp16 gradients need loss scaling
     train_loader = datamodule.train_dataloader()
     val_loader = datamodule.val_dataloader() if validate else None

@@ -268,18 +268,12 @@ def _run(args: argparse.Namespace, command: str) -> int:
 
 
 def _choose_precision(requested: str, device: str, strategy: str) -> str:
-    import torch
+    from hivetrain.model import choose_precision
 
-    if requested != "auto":
-        if strategy == "fsdp" and requested == "16-mixed":
-            raise ValueError("the preset's precision 16-mixed is not supported by --strategy fsdp: pass --precision"
-                             " bf16-mixed or 32")
-        return requested
-    if device == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
-    if device == "cuda" and strategy != "fsdp":  # pre-Ampere GPUs: fp16 with loss scaling, which FSDP here lacks
-        return "16-mixed"
-    return "32"
+    if strategy == "fsdp" and requested == "16-mixed":
+        raise ValueError("the preset's precision 16-mixed is not supported by --strategy fsdp: pass --precision"
+                         " bf16-mixed or 32")
+    return choose_precision(requested, device, fp16=strategy != "fsdp")  # fp16 needs loss scaling, which FSDP lacks
 
 
 def _resolve_batch_size(args: argparse.Namespace, config, device: str, precision: str, per_rank: int):

@@ -136,7 +136,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
 
     from benchmarks.synthetic_data import SyntheticCifar10, to_model_input
     from hivetrain.config import get_preset
-    from hivetrain.model import create_model
+    from hivetrain.model import autocast_dtype, create_model
     from hivetrain.module import make_optimizer
 
     if args.threads:
@@ -153,7 +153,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[rank] if cuda else None)
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(args.precision)
+    dtype = autocast_dtype(args.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "16-mixed")
     workers = args.num_workers if args.num_workers is not None else (
         min(8, max(1, (os.cpu_count() or 2) // world_size - 1)) if cuda else 0)

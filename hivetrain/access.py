@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from hivetrain.hivemind_internals import rsa_key_from_der
+
+from hivetrain.files import atomic_write
 
 TOKEN_PREFIX = "ht1."
 TOKEN_ENV = "HIVETRAIN_TOKEN"
@@ -86,12 +87,7 @@ def load_authority(path: Path) -> RSAPrivateKey:
         except ValueError:
             raise ValueError(f"{path} is not an authority key (DER-encoded RSA private key)") from None
     key = RSAPrivateKey()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(key.to_bytes())
-    os.replace(partial, path)
+    atomic_write(path, key.to_bytes(), mode=0o600)
     return key
 
 

@@ -7,9 +7,9 @@ A checkpoint is a single uncompressed tar `ckpt-<epoch:06d>.tar` holding
     weights.safetensors  the model's weights (metadata: run_id, fingerprint, epoch)
     optimizer.pt         optimizer and LR-scheduler state dicts (absent when there are none)
 
-One file makes a save atomic everywhere: a temporary name + os.replace locally, a single object in S3 (readers never
-see a partial object). `best.json` beside the checkpoints names the best one and is replaced the same way after the
-checkpoint it names is complete, so "best" never points to a half-written file.
+The manifest's hashes are the one end-to-end integrity check: every load verifies them, wherever the bundle has been.
+One file makes a save atomic everywhere: files.atomic_write locally, a single object in S3. `best.json` beside the
+checkpoints names the best one and is replaced the same way once the checkpoint it names is complete.
 
     store = open_store("s3://bucket/runs/demo")          # or a local folder
     store.save(Checkpoint.from_model(model, config, epoch, metrics, optimizer, scheduler), best=True)
@@ -18,22 +18,18 @@ checkpoint it names is complete, so "best" never points to a half-written file.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import hashlib
 import io
 import json
 import logging
-import os
 import pickle
 import re
-import secrets
 import struct
 import tarfile
 import tempfile
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,22 +40,19 @@ import torch
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import ClientError, HTTPClientError
-from botocore.exceptions import ConnectionError as BotoConnectionError
-from s3transfer.utils import ChunksizeAdjuster
+from botocore.exceptions import ClientError
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
+from safetensors.torch import save as save_safetensors
 
 from hivetrain.config import RunConfig
+from hivetrain.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "hivetrain-checkpoint/1"
 MANIFEST, CONFIG, METRICS, WEIGHTS, OPTIMIZER = (
     "manifest.json", "config.json", "metrics.json", "weights.safetensors", "optimizer.pt")
-MEMBERS = (MANIFEST, CONFIG, METRICS, WEIGHTS, OPTIMIZER)  # tar order: the small files first, cheap to peek at
-REQUIRED = (CONFIG, METRICS, WEIGHTS)
 BEST = "best.json"
 NAME_RE = re.compile(r"^ckpt-(\d{6,})\.tar$")
 MiB = 1024 * 1024
@@ -78,21 +71,12 @@ class CheckpointCorrupted(CheckpointError):
     pass
 
 
-class UploadNotVerified(CheckpointError):
-    """S3 holds something other than the bytes we sent (size, sha256 or the server's own checksum differ)."""
-
-
 def checkpoint_name(epoch: int) -> str:
     return f"ckpt-{epoch:06d}.tar"
 
 
-def epoch_of(name: str) -> int | None:
-    match = NAME_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The bundle
+def epoch_of(name: str) -> int:
+    return int(NAME_RE.match(name).group(1))
 
 
 @dataclass
@@ -123,156 +107,70 @@ class Checkpoint:
         return model
 
 
-def _sha256_file(path: Path) -> tuple[int, str]:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(MiB):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _temp_beside(path: Path) -> Path:
-    # Hidden, unique, in the same folder (os.replace is atomic only within one file system). Not mkstemp: its files
-    # are 0600, and a checkpoint should get the umask's permissions like any other file.
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = _temp_beside(path)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the new name is: a crash leaves the old file, not a hole
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _anonymous(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    # Checkpoints travel to shared buckets: keep the writer's user and group names out of them.
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mode = 0o644
-    return info
-
-
 def write_checkpoint(checkpoint: Checkpoint, path: str | Path) -> Path:
-    """Write the bundle to `path` atomically: a temporary name in the same folder, fsync, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config = checkpoint.config
-    metrics = {**checkpoint.metrics, "epoch": checkpoint.epoch}
-    metrics.setdefault("time", time.time())
-    tmp = _temp_beside(path)
-    try:
-        # The members go to a scratch folder first: the manifest needs their hashes, and streaming them from disk
-        # keeps a 1 GB optimizer state from being held twice in memory.
-        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".staging-") as scratch:
-            scratch = Path(scratch)
-            save_file(checkpoint.weights, str(scratch / WEIGHTS), metadata=dict(
-                run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(checkpoint.epoch)))
-            if checkpoint.optimizer is not None or checkpoint.scheduler is not None:
-                torch.save(dict(optimizer=checkpoint.optimizer, scheduler=checkpoint.scheduler), scratch / OPTIMIZER)
-            (scratch / CONFIG).write_text(config.to_json())
-            (scratch / METRICS).write_text(json.dumps(metrics, sort_keys=True))
-            files = {}
-            for name in MEMBERS[1:]:
-                if (scratch / name).exists():
-                    size, sha256 = _sha256_file(scratch / name)
-                    files[name] = dict(size=size, sha256=sha256)
-            manifest = dict(format=FORMAT, run_id=config.run_id, fingerprint=config.fingerprint,
-                            epoch=checkpoint.epoch, files=files)
-            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-            with open(tmp, "xb") as f:
-                with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                    for name in MEMBERS:
-                        if (scratch / name).exists():
-                            tar.add(scratch / name, arcname=name, recursive=False, filter=_anonymous)
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    config, epoch = checkpoint.config, checkpoint.epoch
+    metrics = {"time": time.time(), **checkpoint.metrics, "epoch": epoch}
+    members = {CONFIG: config.to_json().encode(), METRICS: json.dumps(metrics, sort_keys=True).encode(),
+               WEIGHTS: save_safetensors(checkpoint.weights, metadata=dict(
+                   run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(epoch)))}
+    if checkpoint.optimizer is not None or checkpoint.scheduler is not None:
+        buffer = io.BytesIO()
+        torch.save(dict(optimizer=checkpoint.optimizer, scheduler=checkpoint.scheduler), buffer)
+        members[OPTIMIZER] = buffer.getvalue()
+    files = {name: dict(size=len(data), sha256=hashlib.sha256(data).hexdigest()) for name, data in members.items()}
+    manifest = dict(format=FORMAT, run_id=config.run_id, fingerprint=config.fingerprint, epoch=epoch, files=files)
+
+    def write_tar(f) -> None:
+        # The manifest and the small files first, cheap to peek at. No user names (tar's defaults): buckets are shared.
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in {MANIFEST: json.dumps(manifest, indent=1).encode(), **members}.items():
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+
+    return atomic_write(path, write_tar)
 
 
-def _member_file(tar: tarfile.TarFile, name: str):
+def _member(tar: tarfile.TarFile, name: str) -> bytes:
     try:
-        member = tar.getmember(name)
+        f = tar.extractfile(tar.getmember(name))
     except KeyError:
         raise CheckpointCorrupted(f"has no {name}") from None
-    f = tar.extractfile(member)
     if f is None:
         raise CheckpointCorrupted(f"{name} is not a regular file")
-    return f
-
-
-def _member_bytes(tar: tarfile.TarFile, name: str) -> bytes:
-    return _member_file(tar, name).read()
-
-
-def _verify_members(tar: tarfile.TarFile) -> dict[str, Any]:
-    """Check every file against the manifest, streaming, before anything is parsed; returns the manifest."""
-    manifest = json.loads(_member_bytes(tar, MANIFEST))
-    if manifest.get("format") != FORMAT:
-        raise CheckpointCorrupted(f"format {manifest.get('format')!r} is not {FORMAT!r}")
-    files = manifest["files"]
-    for name in REQUIRED:
-        if name not in files:
-            raise CheckpointCorrupted(f"its manifest lists no {name}")
-    for name, expected in files.items():
-        f = _member_file(tar, name)
-        digest, size = hashlib.sha256(), 0
-        while chunk := f.read(MiB):
-            digest.update(chunk)
-            size += len(chunk)
-        if size != expected["size"]:
-            raise CheckpointCorrupted(f"{name} has {size} bytes, its manifest says {expected['size']}")
-        if digest.hexdigest() != expected["sha256"]:
-            raise CheckpointCorrupted(f"{name} does not match its sha256 in the manifest")
-    return manifest
-
-
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
-    # The format starts with an 8-byte little-endian header length, then a JSON header holding "__metadata__".
-    (length,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + length]).get("__metadata__") or {}
+    return f.read()
 
 
 def read_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
     """Load a bundle after checking every file against its manifest; `label` names it in errors (e.g. its S3 URI)."""
-    path = Path(path)
     label = label or str(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise CheckpointNotFound(f"checkpoint {label} does not exist")
     try:
         # One open file throughout: a concurrent os.replace of the same name cannot mix two checkpoints.
         with tarfile.open(path, mode="r:") as tar:
-            manifest = _verify_members(tar)
-            config = RunConfig.from_json(_member_bytes(tar, CONFIG).decode())
-            metrics = json.loads(_member_bytes(tar, METRICS))
-            data = _member_bytes(tar, WEIGHTS)
-            meta = _safetensors_metadata(data)
-            weights = load_safetensors(data)
-            del data
-            state = None
-            if OPTIMIZER in manifest["files"]:
-                # weights_only: a checkpoint may come from a shared bucket, and full unpickling would run its code.
-                state = torch.load(io.BytesIO(_member_bytes(tar, OPTIMIZER)), map_location="cpu", weights_only=True)
+            manifest = json.loads(_member(tar, MANIFEST))
+            if manifest.get("format") != FORMAT:
+                raise CheckpointCorrupted(f"format {manifest.get('format')!r} is not {FORMAT!r}")
+            data = {name: _member(tar, name) for name in (CONFIG, METRICS, WEIGHTS, *manifest["files"])}
+        for name, content in data.items():
+            expected = manifest["files"].get(name)
+            if expected is None:
+                raise CheckpointCorrupted(f"its manifest lists no {name}")
+            if len(content) != expected["size"]:
+                raise CheckpointCorrupted(f"{name} has {len(content)} bytes, its manifest says {expected['size']}")
+            if hashlib.sha256(content).hexdigest() != expected["sha256"]:
+                raise CheckpointCorrupted(f"{name} does not match its sha256 in the manifest")
+        config, metrics = RunConfig.from_json(data[CONFIG].decode()), json.loads(data[METRICS])
+        # safetensors starts with an 8-byte little-endian header length, then a JSON header holding "__metadata__"
+        meta = json.loads(data[WEIGHTS][8:8 + struct.unpack("<Q", data[WEIGHTS][:8])[0]]).get("__metadata__") or {}
+        weights = load_safetensors(data.pop(WEIGHTS))
+        # weights_only: a checkpoint may come from a shared bucket, and full unpickling would run its code.
+        state = torch.load(io.BytesIO(data[OPTIMIZER]), map_location="cpu", weights_only=True) if OPTIMIZER in data \
+            else {}
     except CheckpointCorrupted as e:
         raise CheckpointCorrupted(f"checkpoint {label} is corrupted: {e}") from None
-    except (tarfile.TarError, EOFError, ValueError, KeyError, TypeError, struct.error, SafetensorError,
+    except (tarfile.TarError, EOFError, ValueError, KeyError, TypeError, AttributeError, struct.error, SafetensorError,
             pickle.UnpicklingError) as e:
         # tarfile reports a truncated file as ReadError("unexpected end of data") or a bad header; JSON as ValueError.
         raise CheckpointCorrupted(f"checkpoint {label} is truncated or corrupted: {type(e).__name__}: {e}") from None
@@ -281,21 +179,20 @@ def read_checkpoint(path: str | Path, label: str | None = None) -> Checkpoint:
         raise CheckpointCorrupted(
             f"checkpoint {label} mixes runs or epochs: weights of fingerprint {meta.get('fingerprint')} epoch "
             f"{meta.get('epoch')}, config fingerprint {config.fingerprint}, epochs {sorted(epochs)}")
-    state = state or {}
     return Checkpoint(config, int(manifest["epoch"]), weights, metrics, state.get("optimizer"), state.get("scheduler"))
 
 
-def peek_metrics(path: Path) -> dict[str, Any] | None:
-    """metrics.json of a bundle without verifying it (for listings); None when it is unreadable."""
+def peek_metrics(path: Path) -> dict[str, Any]:
+    """metrics.json of a bundle without verifying it (for listings); empty when it is unreadable."""
     try:
         with tarfile.open(path, mode="r:") as tar:
-            return json.loads(_member_bytes(tar, METRICS))
+            return json.loads(_member(tar, METRICS))
     except (OSError, tarfile.TarError, EOFError, ValueError, CheckpointCorrupted):
-        return None
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Stores
+# Stores: save(checkpoint, best) -> URI, best_uri(), list() oldest first, load(uri or the best), flush(), close()
 
 
 @dataclass(frozen=True)
@@ -307,51 +204,26 @@ class CheckpointEntry:
     top1: Optional[float]
     time: Optional[float]  # unix time the checkpoint was made
     is_best: bool
-    pending: bool = False  # S3 only: still in the local staging folder, waiting for S3 to come back
 
 
-class CheckpointStore(ABC):
-    """Where checkpoints live: `save` one, name the best, keep the newest `keep_last` (plus the best), list, load."""
+class CheckpointStore:
+    """Keeps the newest `keep_last` checkpoints (None: all) plus the best one."""
 
-    keep_last: Optional[int]  # None keeps every checkpoint
-
-    @property
-    @abstractmethod
-    def uri(self) -> str: ...
-
-    @abstractmethod
-    def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
-        """Write a checkpoint; returns its URI. With best=True it becomes the best once it is complete."""
-
-    @abstractmethod
-    def mark_best(self, uri: str) -> None: ...
-
-    @abstractmethod
-    def best_uri(self) -> str | None: ...
-
-    @abstractmethod
-    def list(self) -> list[CheckpointEntry]:
-        """All checkpoints, oldest epoch first."""
-
-    @abstractmethod
-    def _load(self, uri: str) -> Checkpoint: ...
+    uri: str
+    keep_last: Optional[int]
 
     def load(self, uri: str | None = None) -> Checkpoint:
         """A checkpoint by URI; without one, the best, else the newest."""
+        uri = uri or self.best_uri() or next((entry.uri for entry in reversed(self.list())), None)
         if uri is None:
-            uri = self.best_uri()
-            if uri is None:
-                entries = self.list()
-                if not entries:
-                    raise CheckpointNotFound(f"no checkpoints in {self.uri}")
-                uri = entries[-1].uri
+            raise CheckpointNotFound(f"no checkpoints in {self.uri}")
         return self._load(uri)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for pending uploads; True when nothing is pending. Local stores never have any."""
         return True
 
-    def close(self) -> None:  # noqa: B027 (a local store holds nothing to release)
+    def close(self) -> None:
         pass
 
     def __enter__(self) -> CheckpointStore:
@@ -361,176 +233,127 @@ class CheckpointStore(ABC):
         self.close()
 
     def _to_delete(self, names: list[str], best: str | None) -> list[str]:
-        """The checkpoints beyond the newest keep_last, except the best."""
-        if self.keep_last is None:
-            return []
-        ordered = sorted(names, key=lambda n: epoch_of(n) or 0)
-        old = ordered[:-self.keep_last] if self.keep_last > 0 else ordered
-        return [n for n in old if n != best]
+        ordered = sorted(names, key=epoch_of)
+        old = ordered[:max(len(ordered) - self.keep_last, 0)] if self.keep_last is not None else []
+        return [name for name in old if name != best]
 
 
-def _best_record(name: str, metrics: dict[str, Any] | None) -> bytes:
-    metrics = metrics or {}
-    return json.dumps(dict(name=name, epoch=epoch_of(name), top1=metrics.get("top1"), time=time.time())).encode()
+def _best_record(name: str, top1: float | None) -> bytes:
+    return json.dumps(dict(name=name, epoch=epoch_of(name), top1=top1, time=time.time())).encode()
+
+
+def _best_name(record: bytes | None, where: str) -> str | None:
+    try:
+        return json.loads(record)["name"] if record is not None else None
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning(f"Ignoring an unreadable {where}: {e}")
+        return None
 
 
 class LocalCheckpointStore(CheckpointStore):
     def __init__(self, root: str | Path, keep_last: int | None = 5):
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.keep_last = keep_last
-
-    @property
-    def uri(self) -> str:
-        return str(self.root)
-
-    def _names(self) -> list[str]:
-        return sorted((p.name for p in self.root.iterdir() if NAME_RE.match(p.name)), key=lambda n: epoch_of(n) or 0)
-
-    def _path(self, uri: str) -> Path:
-        path = Path(uri).expanduser()
-        if path.parent.resolve() != self.root.resolve() or not NAME_RE.match(path.name):
-            raise CheckpointNotFound(f"{uri} is not a checkpoint of {self.root}")
-        return path
+        self.uri, self.keep_last = str(self.root), keep_last
 
     def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
         path = write_checkpoint(checkpoint, self.root / checkpoint_name(checkpoint.epoch))
         if best:
-            _atomic_write(self.root / BEST, _best_record(path.name, peek_metrics(path)))
-        self._prune()
+            atomic_write(self.root / BEST, _best_record(path.name, checkpoint.metrics.get("top1")))
+        for name in self._to_delete([p.name for p in self._paths()], self._best()):
+            (self.root / name).unlink(missing_ok=True)
         return str(path)
 
-    def mark_best(self, uri: str) -> None:
-        path = self._path(uri)
-        if not path.is_file():
-            raise CheckpointNotFound(f"checkpoint {uri} does not exist")
-        _atomic_write(self.root / BEST, _best_record(path.name, peek_metrics(path)))
-        self._prune()
+    def _paths(self) -> list[Path]:
+        return sorted((p for p in self.root.iterdir() if NAME_RE.match(p.name)), key=lambda p: epoch_of(p.name))
 
-    def _best_name(self) -> str | None:
-        try:
-            name = json.loads((self.root / BEST).read_text())["name"]
-        except FileNotFoundError:
-            return None
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning(f"Ignoring an unreadable {self.root / BEST}: {e}")
-            return None
+    def _best(self) -> str | None:
+        name = _best_name((self.root / BEST).read_bytes() if (self.root / BEST).exists() else None, self.root / BEST)
         return name if isinstance(name, str) and NAME_RE.match(name) and (self.root / name).is_file() else None
 
     def best_uri(self) -> str | None:
-        name = self._best_name()
-        return str(self.root / name) if name else None
+        return str(self.root / name) if (name := self._best()) else None
 
     def list(self) -> list[CheckpointEntry]:
-        best, entries = self._best_name(), []
-        for name in self._names():
-            path = self.root / name
-            try:
-                stat = path.stat()
-            except FileNotFoundError:  # pruned by a concurrent save
-                continue
-            metrics = peek_metrics(path) or {}
-            entries.append(CheckpointEntry(str(path), name, epoch_of(name) or 0, stat.st_size, metrics.get("top1"),
-                                           metrics.get("time", stat.st_mtime), name == best))
-        return entries
+        best = self._best()
+        return [CheckpointEntry(str(p), p.name, epoch_of(p.name), p.stat().st_size, metrics.get("top1"),
+                                metrics.get("time"), p.name == best)
+                for p in self._paths() if (metrics := peek_metrics(p))]  # {}: pruned by a concurrent save
 
     def _load(self, uri: str) -> Checkpoint:
         return read_checkpoint(uri)
 
-    def _prune(self) -> None:
-        for name in self._to_delete(self._names(), self._best_name()):
-            (self.root / name).unlink(missing_ok=True)
-
 
 @dataclass(frozen=True)
 class S3Options:
-    region_name: Optional[str] = None  # None: the AWS chain's (AWS_DEFAULT_REGION, ~/.aws/config), else us-east-1
     staging_dir: Optional[Path] = None  # local copies until uploaded; None: ~/.cache/hivetrain/checkpoint-staging/...
     multipart_threshold: int = 64 * MiB  # bigger files go up in parts, several at once
     multipart_chunksize: int = 64 * MiB  # S3 wants parts of 5 MiB or more (boto3 raises smaller values to 5 MiB)
-    max_concurrency: int = 4  # parts in flight
-    connect_timeout: float = 3.0  # seconds; short, so an outage costs a save seconds, not minutes
-    read_timeout: float = 30.0
-    max_attempts: int = 2  # botocore's tries per request; the background retries take over after that
     retry_initial: float = 1.0  # seconds before the first background retry; doubles up to retry_max
     retry_max: float = 60.0
     resume_pending: bool = True  # upload what an earlier process left in staging_dir (it exited during an outage)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://"):
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    if not uri.startswith("s3://") or not bucket:
         raise ValueError(f"{uri!r} is not an s3://bucket/key URI")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not bucket:
-        raise ValueError(f"{uri!r} names no bucket")
     return bucket, key.strip("/")
 
 
-def _is_transient(e: BaseException) -> bool:
-    """Worth retrying later: no connection, timeouts, 5xx, or an upload that did not verify."""
+def _refused(e: Exception) -> bool:
+    """S3 answered 4xx (credentials, permissions, a bad request): a retry would not help. Anything else is an outage
+    that outlasted botocore's own retries (of dropped connections, timeouts, throttling and 5xx)."""
     if isinstance(e, S3UploadFailedError):
-        # boto3's upload_file re-raises a ClientError as this, inside its except block: the original is the context
-        e = e.__cause__ or e.__context__ or e
-    if isinstance(e, ClientError):
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return status >= 500 or e.response.get("Error", {}).get("Code") in ("RequestTimeout", "SlowDown")
-    return isinstance(e, (BotoConnectionError, HTTPClientError, UploadNotVerified))
+        e = e.__cause__ or e.__context__  # boto3 raises it while handling the ClientError
+    return isinstance(e, ClientError) and 400 <= e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) < 500
 
 
-@dataclass
-class _Staged:
-    path: Path
-    best: bool
+def _describe(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever botocore put in the message
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 class S3CheckpointStore(CheckpointStore):
     """Checkpoints as objects `s3://bucket/prefix/ckpt-<epoch>.tar`, the best named by `prefix/best.json`.
 
     Credentials come from the standard AWS chain only (env vars, ~/.aws, instance profile). A save writes the bundle to
-    a local staging folder, uploads it (multipart above the threshold, each part checked by S3 against its SHA-256),
-    compares the object with the local file, then deletes the local copy. When S3 cannot be reached the copy stays,
-    one warning is logged, and a background thread retries with backoff; `flush` waits for it.
+    a local staging folder, uploads it and deletes the local copy. boto3 does the transfer: multipart above the
+    threshold, botocore's standard retries, a CRC32 on every upload request that S3 checks, and one on every
+    whole-object download that botocore checks. When S3 stays unreachable the copy stays (a `<name>.best` marker beside
+    it if it is to be the best), one warning is logged, and a background thread uploads the queue in order, with
+    backoff; `flush` waits for it. A refusal (a 4xx) raises instead.
     """
 
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, keep_last: int | None = 5,
                  options: S3Options | None = None):
         self.bucket, self.prefix, self.keep_last = bucket, prefix.strip("/"), keep_last
         self.options = options = options or S3Options()
-        self.endpoint_url = endpoint_url
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
         self.staging = Path(options.staging_dir or DEFAULT_STAGING_DIR / bucket / (self.prefix or "_root")).expanduser()
-        self._s3 = boto3.session.Session(region_name=options.region_name).client(
-            "s3", endpoint_url=endpoint_url,
-            config=Config(connect_timeout=options.connect_timeout, read_timeout=options.read_timeout,
-                          retries=dict(max_attempts=options.max_attempts, mode="standard")))
+        # A short connect timeout: an outage costs a save seconds, not minutes, before the queue takes over.
+        self._s3 = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=Config(
+            connect_timeout=3, read_timeout=30, retries=dict(mode="standard")))
         self._transfer = TransferConfig(multipart_threshold=options.multipart_threshold,
-                                        multipart_chunksize=options.multipart_chunksize,
-                                        max_concurrency=options.max_concurrency)
-        self._pending: deque[_Staged] = deque()
+                                        multipart_chunksize=options.multipart_chunksize)
+        self._pending: deque[Path] = deque()  # staged copies waiting for S3, oldest first
         self._cond = threading.Condition()
         self._upload_lock = threading.Lock()  # one upload (and its best pointer and pruning) at a time
         self._worker: threading.Thread | None = None
-        self._outage = False  # set by the outage's one warning; later saves queue silently until the queue drains
-        self._retry_now = False  # flush() cuts the worker's backoff short
-        self._closed = False
+        self._retry_now = self._closed = False  # flush() cuts the worker's backoff short
         if options.resume_pending and self.staging.is_dir():
-            leftovers = sorted((p for p in self.staging.iterdir() if NAME_RE.match(p.name)), key=lambda p: p.name)
-            if leftovers:
-                logger.info(f"Uploading {len(leftovers)} checkpoint(s) left in {self.staging} by an earlier run")
-                with self._cond:
-                    self._pending.extend(_Staged(p, self._marker(p).exists()) for p in leftovers)
-                    self._start_worker()
-
-    # --- names
-
-    @property
-    def uri(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+            with self._cond:
+                self._pending.extend(sorted(p for p in self.staging.iterdir() if NAME_RE.match(p.name)))
+                self._start_worker()
 
     def _key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
-
-    def _uri(self, name: str) -> str:
-        return f"s3://{self.bucket}/{self._key(name)}"
+        return f"{self.prefix}/{name}".lstrip("/")
 
     def _name(self, uri: str) -> str:
         bucket, key = parse_s3_uri(uri)
@@ -543,280 +366,157 @@ class S3CheckpointStore(CheckpointStore):
     def _marker(path: Path) -> Path:
         return path.with_name(path.name + ".best")  # survives a restart, so a resumed upload still becomes the best
 
-    # --- saving
+    def _staged(self) -> list[Path]:
+        with self._cond:
+            return list(self._pending)
 
     def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
         if self._closed:
             raise CheckpointError(f"{self.uri}: the store is closed")
         path = write_checkpoint(checkpoint, self.staging / checkpoint_name(checkpoint.epoch))
         if best:
-            _fsync_write(self._marker(path), b"")
-        item = _Staged(path, best)
+            atomic_write(self._marker(path), b"")
         with self._cond:
-            if self._pending:  # S3 is away: queue behind the others, in order, without waiting for a timeout
-                self._pending.append(item)
+            queued = bool(self._pending)
+            if queued:  # S3 is away: queue behind the others, in order, without waiting for a timeout
+                self._pending.append(path)
                 self._start_worker()
-                return self._uri(path.name)
+        if queued:
+            return f"{self.uri}/{path.name}"
         try:
-            self._upload(item)
+            self._upload(path)
         except Exception as e:
-            if not _is_transient(e):
-                raise CheckpointError(f"S3 refused {self._uri(path.name)} ({_describe(e)}); "
+            if _refused(e):
+                raise CheckpointError(f"S3 refused {self.uri}/{path.name} ({_describe(e)}); "
                                       f"the local copy stays at {path}") from e
             # Only an empty queue gets here, so this is a new outage: its one warning. Saves during it queue above.
-            what = "S3 upload did not verify" if isinstance(e, UploadNotVerified) else "S3 unreachable"
-            logger.warning(f"{what}, keeping the local copy at {path}, retrying in the background ({_describe(e)})")
+            logger.warning(f"S3 unreachable, keeping the local copy at {path}, retrying in the background "
+                           f"({_describe(e)})")
             with self._cond:
-                self._outage = True
-                self._pending.append(item)
+                self._pending.append(path)
                 self._start_worker()
-        return self._uri(path.name)
+        return f"{self.uri}/{path.name}"
 
-    def _upload(self, item: _Staged) -> None:
+    def _upload(self, path: Path) -> None:
         with self._upload_lock:
-            path, name = item.path, item.path.name
             try:
                 before = path.stat()
             except FileNotFoundError:  # the same epoch was queued twice and an earlier upload sent this file already
                 return
-            size, sha256 = _sha256_file(path)
-            metrics = peek_metrics(path) or {}
-            # Listing shows epoch, top1 and time from these without downloading the object. Values must be ASCII.
-            metadata = dict(sha256=sha256, epoch=str(epoch_of(name)))
-            for k in ("top1", "time"):
-                if isinstance(metrics.get(k), (int, float)):
-                    metadata[k] = repr(float(metrics[k]))
-            # ChecksumAlgorithm: botocore sends each part's SHA-256 and S3 rejects a part that does not match it.
-            self._s3.upload_file(str(path), self.bucket, self._key(name), Config=self._transfer, ExtraArgs=dict(
-                Metadata=metadata, ChecksumAlgorithm="SHA256", ContentType="application/x-tar"))
-            self._verify_upload(path, name, size, sha256)
-            if item.best or self._marker(path).exists():  # checked late: mark_best may have come during the upload
-                self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), Body=_best_record(name, metrics),
-                                    ContentType="application/json")
-            self._prune()
+            metrics = peek_metrics(path)
+            # Listing shows top1 and time from these without downloading the object. Values must be ASCII.
+            metadata = {k: repr(float(v)) for k, v in metrics.items() if k in ("top1", "time") and v is not None}
+            self._s3.upload_file(str(path), self.bucket, self._key(path.name), Config=self._transfer, ExtraArgs=dict(
+                Metadata=metadata, ChecksumAlgorithm="CRC32", ContentType="application/x-tar"))
+            if self._marker(path).exists():
+                self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), ContentType="application/json",
+                                    Body=_best_record(path.name, metrics.get("top1")), ChecksumAlgorithm="CRC32")
+            for name in self._to_delete(list(self._objects()), self._best()):
+                self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
             after = path.stat()
             if (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns):
                 path.unlink()  # else a newer save of this epoch replaced it meanwhile: its own queued item sends it
                 self._marker(path).unlink(missing_ok=True)
 
-    def _verify_upload(self, path: Path, name: str, size: int, sha256: str) -> None:
-        """Compare the object with the local file without downloading it when S3 reports its SHA-256 checksum."""
-        head = self._s3.head_object(Bucket=self.bucket, Key=self._key(name), ChecksumMode="ENABLED")
-        if head["ContentLength"] != size or head.get("Metadata", {}).get("sha256") != sha256:
-            raise UploadNotVerified(f"{self._uri(name)} has {head['ContentLength']} bytes and sha256 "
-                                    f"{head.get('Metadata', {}).get('sha256')}, the local file {size} and {sha256}")
-        reported = head.get("ChecksumSHA256")
-        if reported is None:  # a server without the flexible checksums: hash a download instead
-            with tempfile.TemporaryDirectory(prefix="hivetrain-verify-") as tmp:
-                self._s3.download_file(self.bucket, self._key(name), f"{tmp}/{name}", Config=self._transfer)
-                if _sha256_file(Path(f"{tmp}/{name}")) != (size, sha256):
-                    raise UploadNotVerified(f"{self._uri(name)} downloads as different bytes than {path}")
-            return
-        if reported != _s3_checksum(path, size, self._transfer, reported):
-            raise UploadNotVerified(f"{self._uri(name)}: S3's checksum {reported} does not match {path}")
-
     def _start_worker(self) -> None:  # with self._cond held
-        if self._worker is None and not self._closed:
+        if self._worker is None and self._pending and not self._closed:
             self._worker = threading.Thread(target=self._drain, name="checkpoint-upload", daemon=True)
             self._worker.start()
 
     def _drain(self) -> None:
-        delay, errors_seen, uploaded = self.options.retry_initial, set(), 0
+        delay, refusals = self.options.retry_initial, set()
         while True:
             with self._cond:
                 if self._closed or not self._pending:
                     self._worker = None
                     self._cond.notify_all()
                     return
-                item = self._pending[0]  # stays queued while uploading, so new saves queue behind it
+                path = self._pending[0]  # stays queued while uploading, so new saves queue behind it
             try:
-                self._upload(item)
+                self._upload(path)
             except Exception as e:
-                if not _is_transient(e) and str(e) not in errors_seen:  # e.g. credentials revoked: say so, keep trying
-                    errors_seen.add(str(e))
-                    logger.error(f"Uploading {item.path} to {self.uri} failed ({_describe(e)}); retrying")
+                if _refused(e) and str(e) not in refusals:  # e.g. credentials revoked: say so once, keep trying
+                    refusals.add(str(e))
+                    logger.error(f"Uploading {path} to {self.uri} failed ({_describe(e)}); retrying")
                 with self._cond:
                     kicked = self._cond.wait_for(lambda: self._closed or self._retry_now, timeout=delay)
                     self._retry_now = False
                 # after a flush() the backoff starts over: S3 is likely back and someone is waiting for it
                 delay = self.options.retry_initial if kicked else min(delay * 2, self.options.retry_max)
                 continue
-            uploaded += 1
             delay = self.options.retry_initial
             with self._cond:
                 self._pending.popleft()
-                if not self._pending:
-                    if self._outage:  # info, not a second warning: the outage's one warning said it would retry
-                        logger.info(f"S3 is back: uploaded {uploaded} checkpoint(s) to {self.uri}")
-                    self._outage = False
+                if not self._pending:  # info, not a second warning: the outage's one warning said it would retry
+                    logger.info(f"S3 is back: the staged checkpoints are uploaded to {self.uri}")
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._cond:
-            if self._closed:
-                return not self._pending
-            if self._pending:
-                self._retry_now = True  # S3 may be back already: do not sit out the rest of a long backoff
-                self._start_worker()
-                self._cond.notify_all()
-            return self._cond.wait_for(lambda: not self._pending, timeout=timeout)
+            self._retry_now = True  # S3 may be back already: do not sit out the rest of a long backoff
+            self._start_worker()
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: not self._pending or self._closed, timeout=timeout) and not self._pending
 
     def close(self) -> None:
         """Stop retrying. Checkpoints not uploaded yet stay in the staging folder for the next store on it."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            worker, left = self._worker, [item.path for item in self._pending]
+            worker = self._worker
         if worker is not None:
             worker.join()  # at most the upload in progress
-        if left:
-            logger.warning(f"{len(left)} checkpoint(s) not uploaded to {self.uri} yet; they stay in {self.staging} "
-                           f"and upload when a store on that folder opens again")
 
-    # --- best, listing, pruning
-
-    def mark_best(self, uri: str) -> None:
-        name = self._name(uri)
-        with self._cond:
-            for item in self._pending:
-                if item.path.name == name:
-                    item.best = True
-                    _fsync_write(self._marker(item.path), b"")
-                    return
-        with self._upload_lock:
-            try:
-                head = self._s3.head_object(Bucket=self.bucket, Key=self._key(name))
-            except ClientError as e:
-                raise _not_found_or(e, uri) from e
-            meta = head.get("Metadata", {})
-            self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), ContentType="application/json",
-                                Body=_best_record(name, {"top1": float(meta["top1"])} if "top1" in meta else None))
-            self._prune()
-
-    def _best_name(self) -> str | None:
+    def _best(self) -> str | None:
+        if staged := [p for p in self._staged() if self._marker(p).exists()]:  # the newest best still waits for S3
+            return staged[-1].name
         try:
-            body = self._s3.get_object(Bucket=self.bucket, Key=self._key(BEST))["Body"].read()
+            return _best_name(self._s3.get_object(Bucket=self.bucket, Key=self._key(BEST))["Body"].read(), BEST)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise
-        try:
-            return json.loads(body)["name"]
-        except (ValueError, KeyError, TypeError) as e:
-            logger.warning(f"Ignoring an unreadable {self._uri(BEST)}: {e}")
-            return None
-
-    def _pending_best(self) -> str | None:
-        with self._cond:
-            names = [item.path.name for item in self._pending if item.best]
-        return names[-1] if names else None
 
     def best_uri(self) -> str | None:
-        name = self._pending_best() or self._best_name()
-        return self._uri(name) if name else None
+        return f"{self.uri}/{name}" if (name := self._best()) else None
 
     def _objects(self) -> dict[str, int]:
         """Checkpoint names directly under the prefix, with their sizes."""
-        found, start = {}, f"{self.prefix}/" if self.prefix else ""
-        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start,
-                                                                       Delimiter="/"):
-            for obj in page.get("Contents", []):
-                name = obj["Key"][len(start):]
-                if NAME_RE.match(name):
-                    found[name] = obj["Size"]
-        return found
+        pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(""),
+                                                                        Delimiter="/")
+        objects = {obj["Key"].removeprefix(self._key("")): obj["Size"] for p in pages for obj in p.get("Contents", [])}
+        return {name: size for name, size in objects.items() if NAME_RE.match(name)}
 
     def list(self) -> list[CheckpointEntry]:
-        best = self._pending_best() or self._best_name()
-        entries = {}
+        best, entries = self._best(), []
         for name, size in self._objects().items():
-            meta = self._s3.head_object(Bucket=self.bucket, Key=self._key(name)).get("Metadata", {})
-            entries[name] = CheckpointEntry(self._uri(name), name, epoch_of(name) or 0, size, _float(meta.get("top1")),
-                                            _float(meta.get("time")), name == best)
-        with self._cond:
-            staged = [item.path for item in self._pending]
-        for path in staged:
-            metrics = peek_metrics(path) or {}
-            entries[path.name] = CheckpointEntry(self._uri(path.name), path.name, epoch_of(path.name) or 0,
-                                                 path.stat().st_size, metrics.get("top1"), metrics.get("time"),
-                                                 path.name == best, pending=True)
-        return sorted(entries.values(), key=lambda e: e.epoch)
-
-    def _prune(self) -> None:
-        for name in self._to_delete(list(self._objects()), self._best_name()):
-            self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
-
-    # --- loading
+            meta = self._s3.head_object(Bucket=self.bucket, Key=self._key(name))["Metadata"]
+            entries.append(CheckpointEntry(f"{self.uri}/{name}", name, epoch_of(name), size, _float(meta.get("top1")),
+                                           _float(meta.get("time")), name == best))
+        return sorted(entries, key=lambda e: e.epoch)
 
     def _load(self, uri: str) -> Checkpoint:
         name = self._name(uri)
-        with self._cond:
-            staged = [item.path for item in self._pending if item.path.name == name]
-        if staged:  # not uploaded yet: the local copy is the checkpoint
+        if staged := [p for p in self._staged() if p.name == name]:  # not uploaded yet: the local copy is it
             return read_checkpoint(staged[0], label=uri)
-        try:
-            head = self._s3.head_object(Bucket=self.bucket, Key=self._key(name))
-        except ClientError as e:
-            raise _not_found_or(e, uri) from e
         with tempfile.TemporaryDirectory(prefix="hivetrain-ckpt-") as tmp:
-            path = Path(tmp) / name
-            self._s3.download_file(self.bucket, self._key(name), str(path), Config=self._transfer)
-            size, sha256 = _sha256_file(path)
-            expected = head.get("Metadata", {}).get("sha256")
-            if size != head["ContentLength"] or (expected is not None and sha256 != expected):
-                raise CheckpointCorrupted(f"checkpoint {uri} is truncated or corrupted: {size} bytes with sha256 "
-                                          f"{sha256[:16]}..., uploaded as {head['ContentLength']} bytes with "
-                                          f"sha256 {(expected or '?')[:16]}...")
-            return read_checkpoint(path, label=uri)
-
-
-def _s3_checksum(path: Path, size: int, transfer: TransferConfig, reported: str) -> str:
-    """The ChecksumSHA256 S3 should report for this file: the file's own SHA-256 when it went up in one piece, else
-    (the "COMPOSITE" type) the SHA-256 of its parts' SHA-256s, suffixed with the number of parts."""
-    if size < transfer.multipart_threshold or "-" not in reported:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(MiB):
-                digest.update(chunk)
-        return base64.b64encode(digest.digest()).decode()
-    # the part size boto3 actually used: it raises the configured one to S3's 5 MiB minimum and 10,000-part maximum
-    part_size = ChunksizeAdjuster().adjust_chunksize(transfer.multipart_chunksize, size)
-    parts = []
-    with open(path, "rb") as f:
-        while part := f.read(part_size):
-            parts.append(hashlib.sha256(part).digest())
-    return f"{base64.b64encode(hashlib.sha256(b''.join(parts)).digest()).decode()}-{len(parts)}"
-
-
-def _float(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _describe(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever botocore put in the message
-
-
-def _not_found_or(e: ClientError, uri: str) -> Exception:
-    if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-        return CheckpointNotFound(f"checkpoint {uri} does not exist")
-    return e
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Entry points
+            try:  # ChecksumMode: botocore checks a whole-object GET against the CRC32 S3 stored
+                self._s3.download_file(self.bucket, self._key(name), f"{tmp}/{name}", Config=self._transfer,
+                                       ExtraArgs=dict(ChecksumMode="ENABLED"))
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    raise CheckpointNotFound(f"checkpoint {uri} does not exist") from None
+                raise
+            return read_checkpoint(f"{tmp}/{name}", label=uri)
 
 
 def open_store(uri_or_path: str | Path, keep_last: int | None = 5, endpoint_url: str | None = None,
                options: S3Options | None = None) -> CheckpointStore:
     """A store on a local folder or on `s3://bucket/prefix`."""
-    text = str(uri_or_path)
-    if text.startswith("s3://"):
-        bucket, prefix = parse_s3_uri(text)
+    if str(uri_or_path).startswith("s3://"):
+        bucket, prefix = parse_s3_uri(str(uri_or_path))
         return S3CheckpointStore(bucket, prefix, endpoint_url=endpoint_url, keep_last=keep_last, options=options)
-    return LocalCheckpointStore(text, keep_last=keep_last)
+    return LocalCheckpointStore(uri_or_path, keep_last=keep_last)
 
 
 def load_checkpoint(uri_or_path: str | Path, endpoint_url: str | None = None) -> Checkpoint:
@@ -826,12 +526,9 @@ def load_checkpoint(uri_or_path: str | Path, endpoint_url: str | None = None) ->
     if text.startswith("s3://"):
         bucket, key = parse_s3_uri(text)
         is_object = NAME_RE.match(key.rpartition("/")[2]) is not None
-        prefix = key.rpartition("/")[0] if is_object else key
         # Reading only: leave whatever a running coordinator staged on this machine to that coordinator.
-        with S3CheckpointStore(bucket, prefix, endpoint_url, keep_last=None,
+        with S3CheckpointStore(bucket, key.rpartition("/")[0] if is_object else key, endpoint_url, keep_last=None,
                                options=S3Options(resume_pending=False)) as store:
             return store.load(text if is_object else None)
     path = Path(text).expanduser()
-    if path.is_dir():
-        return LocalCheckpointStore(path, keep_last=None).load()
-    return read_checkpoint(path)
+    return LocalCheckpointStore(path, keep_last=None).load() if path.is_dir() else read_checkpoint(path)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import os
 import pickle
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +24,7 @@ from torchvision import transforms as T
 from torchvision.datasets import CIFAR10, FashionMNIST
 
 from hivetrain.config import RunConfig
+from hivetrain.files import atomic_write
 
 DEFAULT_DATA_DIR = Path("~/.cache/hivetrain/data").expanduser()
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
@@ -126,15 +125,8 @@ def _unpack_debian_fashion(root: Path) -> None:
     for name in FASHION_FILES:
         if (raw / name).is_file():
             continue
-        # temp file + os.replace: peers sharing a data dir never see a half-written file
-        fd, tmp = tempfile.mkstemp(dir=raw, prefix=f".{name}.")
-        try:
-            with os.fdopen(fd, "wb") as out, gzip.open(DEBIAN_FASHION_DIR / f"{name}.gz") as src:
-                shutil.copyfileobj(src, out)
-            os.replace(tmp, raw / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with gzip.open(DEBIAN_FASHION_DIR / f"{name}.gz") as src:  # peers sharing a data dir never see half a file
+            atomic_write(raw / name, lambda out: shutil.copyfileobj(src, out))
 
 
 def load_fashion_split(root: Path) -> tuple[Split, Split]:

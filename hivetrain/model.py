@@ -10,9 +10,10 @@ from pathlib import Path
 import timm
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from hivetrain.config import ModelConfig, RunConfig
+from hivetrain.files import atomic_write
 
 
 class PretrainedWeightsUnavailable(RuntimeError):
@@ -91,17 +92,30 @@ def choose_device(requested: str) -> str:
     return requested
 
 
+def choose_precision(requested: str, device: str, fp16: bool = True) -> str:
+    """A config.PRECISIONS value: "auto" takes bf16-mixed on a GPU that has it, else 16-mixed on a GPU (unless
+    fp16=False: a strategy without loss scaling), else 32."""
+    if requested != "auto":
+        return requested
+    if device == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "16-mixed" if device == "cuda" and fp16 else "32"
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype torch.autocast computes in for a mixed precision; None for 32 (no autocast)."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
 def save_weights(path: Path, model: torch.nn.Module, config: RunConfig, epoch: int) -> None:
-    """Weights as safetensors, with the run and epoch they belong to; written to a temporary name, then renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    """Weights as safetensors, with the run and epoch they belong to; written atomically."""
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp), metadata=dict(run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(epoch)))
-    tmp.replace(path)
+    metadata = dict(run_id=config.run_id, fingerprint=config.fingerprint, epoch=str(epoch))
+    atomic_write(path, save(state, metadata=metadata))
 
 
 def load_weights(path: Path, model: torch.nn.Module) -> dict[str, str]:

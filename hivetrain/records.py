@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hivetrain.config import RunConfig
+from hivetrain.files import atomic_write
 
 SCHEMA_VERSION = 1
 STRATEGIES = ("single", "dp", "ddp", "fsdp", "swarm")
@@ -255,14 +256,8 @@ def read_record(path: str | Path) -> RunRecord:
 
 
 def write_record(record: RunRecord, directory: str | Path) -> Path:
-    """Write `<directory>/<record.name>.json` through a temporary file, so readers never see half a record."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{record.name}.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(record.to_json())
-    os.replace(tmp, path)
-    return path
+    """Write `<directory>/<record.name>.json` atomically, so readers never see half a record."""
+    return atomic_write(Path(directory) / f"{record.name}.json", record.to_json())
 
 
 def store_checkpoint(weights_path: str | Path, config: RunConfig, epoch: int, metrics: dict, store: str | Path,

@@ -135,16 +135,6 @@ def choose_client_mode(mode: str, initial_peers: list[str], host: str, port: int
     return True
 
 
-def choose_precision(requested: str, device: str) -> str:
-    import torch
-
-    if requested != "auto":
-        return requested
-    if device == "cuda":
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    return "32"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank_setup = os.environ.get(RANK_SETUP_ENV)
@@ -265,7 +255,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
 
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.events import EventLog
-    from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
+    from hivetrain.model import (PretrainedWeightsUnavailable, choose_device, choose_precision, create_model,
+                                 save_weights)
     from hivetrain.module import ImageClassifier
     from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
     from peers.progress import SwarmProgress

@@ -99,8 +99,8 @@ def test_local_store_keeps_last_k_and_the_best(tmp_path, demo, monkeypatch):
     assert store.best_uri() == uris[2]
     assert store.load().epoch == 2 and load_checkpoint(root).epoch == 2  # a folder means its best
 
-    store.mark_best(uris[5])  # epoch 2 is neither best nor among the last 2 any more
-    assert files() == ["best.json", "ckpt-000004.tar", "ckpt-000005.tar"]
+    uris[5] = store.save(demo.checkpoint(5, with_optimizer=False, top1=0.5), best=True)  # epoch 2 is neither best
+    assert files() == ["best.json", "ckpt-000004.tar", "ckpt-000005.tar"]                 # nor among the last 2 now
     assert [(e.epoch, e.is_best) for e in store.list()] == [(4, False), (5, True)]
 
     # A save that dies half-way (here while writing the optimizer state) changes nothing and leaves no debris.
@@ -163,10 +163,9 @@ def test_s3_round_trip_through_the_evaluate_cli(s3, demo, tmp_path):
     with s3_store(s3, tmp_path, "roundtrip", multipart_threshold=MiB, multipart_chunksize=5 * MiB) as store:
         uri = store.save(demo.checkpoint(7), best=True)
         assert uri == f"s3://{BUCKET}/roundtrip/ckpt-000007.tar"
-        assert list((tmp_path / "staging-roundtrip").iterdir()) == []  # verified upload: the local copy is gone
+        assert list((tmp_path / "staging-roundtrip").iterdir()) == []  # uploaded: the local copy is gone
         [entry] = store.list()
-        assert (entry.uri, entry.epoch, entry.top1, entry.is_best, entry.pending) == (
-            uri, 7, demo.metrics["top1"], True, False)
+        assert (entry.uri, entry.epoch, entry.top1, entry.is_best) == (uri, 7, demo.metrics["top1"], True)
 
     out = tmp_path / "metrics.json"
     result = run_evaluate_cli("--checkpoint", uri, "--s3-endpoint-url", s3.endpoint_url, "--out", str(out))
@@ -195,11 +194,14 @@ def test_s3_multipart_upload_is_used_above_the_threshold(s3, demo, tmp_path):
     attributes = client.get_object_attributes(Bucket=BUCKET, Key="multipart/ckpt-000001.tar",
                                               ObjectAttributes=["ObjectParts"])
     assert attributes["ObjectParts"]["TotalPartsCount"] == parts
+    # S3 checked a CRC32 of every part as it arrived (it refuses a part that does not match), and reports them
+    assert client.head_object(Bucket=BUCKET, Key="multipart/ckpt-000001.tar", ChecksumMode="ENABLED")["ChecksumCRC32"]
     assert load_checkpoint(uri, endpoint_url=s3.endpoint_url).epoch == 1
 
     with s3_store(s3, tmp_path, "single") as store:  # the default threshold (64 MiB): one PUT, a plain ETag
         store.save(demo.checkpoint(1))
-    assert "-" not in client.head_object(Bucket=BUCKET, Key="single/ckpt-000001.tar")["ETag"]
+    head = client.head_object(Bucket=BUCKET, Key="single/ckpt-000001.tar", ChecksumMode="ENABLED")
+    assert "-" not in head["ETag"] and head["ChecksumCRC32"]
 
 
 def test_s3_outage_keeps_the_local_copy_and_uploads_when_back(s3, demo, tmp_path, caplog):
@@ -227,8 +229,7 @@ def test_s3_outage_keeps_the_local_copy_and_uploads_when_back(s3, demo, tmp_path
     assert store.flush(timeout=20) is True
     assert list(staging.iterdir()) == []
     # keep_last=2 pruned epoch 1 once epoch 3 arrived; epoch 2 is the best
-    assert [(e.epoch, e.top1, e.is_best, e.pending) for e in store.list()] == [(2, 0.8, True, False),
-                                                                              (3, 0.7, False, False)]
+    assert [(e.epoch, e.top1, e.is_best) for e in store.list()] == [(2, 0.8, True), (3, 0.7, False)]
     store.close()
     again = load_checkpoint(uri2, endpoint_url=s3.endpoint_url)
     assert again.epoch == 2
@@ -252,21 +253,6 @@ def test_s3_staged_copies_upload_when_a_store_opens_again(s3, demo, tmp_path):
     assert list(staging.iterdir()) == []
 
 
-def test_s3_upload_that_does_not_verify_is_kept_and_retried(s3, demo, tmp_path, monkeypatch, caplog):
-    import hivetrain.checkpoint as checkpoint_module
-
-    monkeypatch.setattr(checkpoint_module, "_s3_checksum", lambda *args: "not-what-s3-reports")
-    store = s3_store(s3, tmp_path, "verify", retry_initial=0.2)
-    with caplog.at_level(logging.WARNING, logger="hivetrain.checkpoint"):
-        uri = store.save(demo.checkpoint(5))
-    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["S3 upload did not verify"]
-    assert (tmp_path / "staging-verify" / "ckpt-000005.tar").is_file()
-    monkeypatch.undo()
-    assert store.flush(timeout=30) is True
-    store.close()
-    assert load_checkpoint(uri, endpoint_url=s3.endpoint_url).epoch == 5
-
-
 def test_s3_refused_upload_raises_and_keeps_the_local_copy(s3, demo, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")  # a 403 is a configuration error, not an outage
     with s3_store(s3, tmp_path, "refused") as store:
@@ -287,24 +273,3 @@ def test_s3_truncated_object_is_refused(s3, demo, tmp_path):
     client.put_object(Bucket=BUCKET, Key=key, Body=data[: len(data) // 2], Metadata=original["Metadata"])
     with pytest.raises(CheckpointCorrupted, match=f"checkpoint {uri} is truncated or corrupted"):
         load_checkpoint(uri, endpoint_url=s3.endpoint_url)
-
-
-def test_s3_upload_is_verified_by_download_when_the_server_reports_no_checksum(s3, demo, tmp_path, monkeypatch):
-    store = s3_store(s3, tmp_path, "nochecksum")
-    head, downloads = store._s3.head_object, []
-
-    def head_without_checksum(**kwargs):  # as an S3-compatible server without the flexible checksums answers
-        return {k: v for k, v in head(**kwargs).items() if not k.startswith("Checksum")}
-
-    download = store._s3.download_file
-
-    def counted_download(*args, **kwargs):
-        downloads.append(args)
-        return download(*args, **kwargs)
-
-    monkeypatch.setattr(store._s3, "head_object", head_without_checksum)
-    monkeypatch.setattr(store._s3, "download_file", counted_download)
-    with store:
-        store.save(demo.checkpoint(6))
-    assert [args[1] for args in downloads] == ["nochecksum/ckpt-000006.tar"]  # the verification's download
-    assert list((tmp_path / "staging-nochecksum").iterdir()) == []
