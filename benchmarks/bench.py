@@ -33,7 +33,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
+from benchmarks.churn import churn_section, churn_suite
 from benchmarks.harness import ROOT, Process, reached_epoch, run_baseline, start_coordinator, start_peer
+from benchmarks.monitor import monitor_section, monitor_suite
 
 PAGE = ROOT / "logbook" / "benchmarks.md"
 RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
@@ -785,6 +787,8 @@ SUITES = {
     "communication": (communication_suite, _communication_section),
     "convergence": (convergence_suite, _convergence_section),
     "scale": (scale_suite, _scale_section),
+    "churn": (churn_suite, churn_section),
+    "monitor": (monitor_suite, monitor_section),
 }
 
 

@@ -1,6 +1,6 @@
 """Lightweight stand-ins for training peers, to load the coordinator's monitor with hundreds of them on one machine.
 
-    python -m benchmarks.publishers --initial-peers ADDR ... --run-id RUN --count 64 [--every 5]
+    python -m benchmarks.publishers --initial-peers ADDR ... --run-id RUN --count 64 [--every 5] [--events FILE]
 
 One process hosts `count` DHT nodes in client mode that share one p2p daemon (a client node serves nothing, so they
 need no handlers of their own). Each has its own RSA key, and every `every` seconds it publishes what a real peer
@@ -8,7 +8,8 @@ publishes about itself: a HiveTrain metrics record (hivetrain.telemetry) and a h
 by that key under the run's keys, with the lifetimes real peers use. To the coordinator they are `count` peers; they
 train nothing, so hundreds fit where a handful of training peers would fill the cores.
 
-It prints one line once every node has published once ("publishing N peers"), then runs until it is stopped.
+Once every node has published once it says so (a line, and a "publishing" event with --events), then runs until it is
+stopped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from hivetrain.events import EventLog
 from hivetrain.swarm import RECORD_LIFETIME
 from hivetrain.telemetry import PEER_RECORD_TTL, PUBLISH_EVERY, PeerRecord, metrics_key, progress_key
 
@@ -73,6 +75,7 @@ async def main_async(args: argparse.Namespace) -> None:
                                                              args.every, stopped, firsts[-1])))
         await asyncio.gather(*firsts)
         print(f"publishing {args.count} peers", flush=True)
+        EventLog(args.events)("publishing", peers=args.count)
         await stopped.wait()
     finally:
         stopped.set()
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=PUBLISH_EVERY,
                         help="seconds between one peer's records (default: %(default)s, as real peers)")
     parser.add_argument("--name", default="publisher", help="prefix of the simulated peers' names")
+    parser.add_argument("--events", default=None, metavar="FILE", help="write events here, one JSON object per line")
     asyncio.run(main_async(parser.parse_args(argv)))
     return 0
 

@@ -47,9 +47,10 @@ class SwarmMonitor:
         ])
         self.writer.mark_left({r.peer_id for r in records}, now)  # killed or cut off: their records lapsed
         records = [r for r in records if not r.left]
-        # hivemind's records carry each peer's throughput as its optimizer measures it; ours back them up while a
-        # peer has not published progress yet (hivemind waits for its first samples).
-        samples_per_second = progress.samples_per_second or sum(r.samples_per_second for r in records)
+        # What the peers really train per wall-clock second, rounds and state downloads included: each peer's record
+        # counts its samples between two records over the time between them. (hivemind's progress records carry a
+        # compute-only rate that leaves the rounds out: on the sync demo about 20 times what the peers trained.)
+        samples_per_second = sum(r.samples_per_second for r in records)
         swarm = self.config.swarm
         # diloco: a round is due after H steps of the run's batch per peer (hivetrain.diloco.RoundTracker)
         target = (swarm.inner_steps * self.config.batch_size * max(1, progress.peers) if swarm.mode == "diloco"

@@ -251,7 +251,9 @@ class HivemindStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
-            # the others stop counting this peer at once (hivemind's own goodbye does not wait for the DHT)
+            # the others stop counting this peer at once (hivemind's own goodbye does not wait for the DHT); its tracker
+            # stops reporting first, or a report racing the withdrawal may win with a later expiration
+            self.optimizer.tracker.shutdown()
             withdraw_records(self.dht, self.optimizer.tracker, [self.optimizer.state_averager])
             self.optimizer.shutdown()
             self.optimizer = None

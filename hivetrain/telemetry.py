@@ -38,7 +38,7 @@ class PeerRecord(BaseModel):
     hardware: StrictStr  # "NVIDIA A100 (40 GiB)" or "Intel Xeon ... (2 cores), 24 GiB"
     client_mode: StrictBool
     epoch: conint(ge=0, strict=True)  # swarm epoch the peer is at
-    samples_per_second: confloat(ge=0.0, strict=True)  # local compute throughput
+    samples_per_second: confloat(ge=0.0, strict=True)  # trained since its last record, per second of wall clock
     loss: Optional[StrictFloat]  # mean training loss since the last record; None before the first step or when NaN
     samples: conint(ge=0, strict=True)  # samples contributed since the peer joined
     time: StrictFloat  # unix time of the record
@@ -66,7 +66,6 @@ class ProgressSummary:
     epoch: int  # the newest epoch any peer reports
     peers: int  # peers with a live progress record (clients included)
     samples_accumulated: int  # toward the next epoch, summed over the peers at `epoch`
-    samples_per_second: float  # summed over all peers
 
 
 def metrics_key(run_id: str) -> str:
@@ -113,7 +112,6 @@ def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
         epoch=epoch,
         peers=len(records),
         samples_accumulated=sum(r.samples_accumulated for r in records if r.epoch == epoch),
-        samples_per_second=sum(r.samples_per_second for r in records),
     )
 
 

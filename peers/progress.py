@@ -44,7 +44,8 @@ class SwarmProgress(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:  # the strategy's setup has loaded the swarm's state
-            self.events("state_loaded", epoch=trainer.strategy.local_epoch)
+            self.events("state_loaded", epoch=trainer.strategy.local_epoch,
+                        peer_id=trainer.strategy.dht.peer_id.to_base58())
         self._wait_for_peers(trainer)
         self.epoch = trainer.strategy.local_epoch  # after the state download: a late joiner starts where the swarm is
         self._epoch_started = self._train_started = time.monotonic()

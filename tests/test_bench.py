@@ -83,3 +83,22 @@ def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
     page = (tmp_path / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks") and "second" in page and "first" not in page and "S\n" in page
     assert page.index("## join") < page.index("## scale")
+
+
+def test_monitor_suite_smoke():
+    result, section = smoke("monitor")
+    [row] = result["results"]
+    assert row["publishers"] == 16 and row["looks"] >= 3
+    assert row["counted_median"] == 16  # every simulated peer's records reach the coordinator and count
+    assert 0 < row["look_median_s"] <= row["look_max_s"]
+    assert section.startswith("## monitor") and "| 16 |" in section
+
+
+def test_churn_suite_smoke():
+    result, section = smoke("churn")
+    assert result["steady_samples_per_s"] > 0 and result["churn_samples_per_s"] > 0
+    assert result["rounds_steady"]["averaged"] > 0  # the undisturbed peers really averaged
+    [event, *_] = result["events"]
+    assert event["kind"] in ("leave", "kill") and event["stopped_counting_s"] is not None
+    assert 0 < event["join_state_loaded_s"] <= event["join_first_step_s"]
+    assert section.startswith("## churn") and f"| {event['kind']} |" in section

@@ -1,0 +1,255 @@
+"""The churn suite: a diloco swarm of 4 peers on the tiny preset first trains undisturbed, then for 5 minutes peers
+leave, cleanly (SIGTERM) or killed (SIGKILL), each replaced at once by a new one, at seeded random intervals of 30 s on
+average. It measures what volunteers coming and going cost the run:
+
+- the swarm's samples/s under churn against the undisturbed window before it;
+- for each departure, how long until hivemind's progress records no longer count the peer (what rounds wait for)
+  and until the coordinator marks it left;
+- each joiner's time from its process start to its state and its first step;
+- the samples departed peers trained after their last round (computed, never applied), and the rounds that were
+  averaged, taken alone or failed in each phase.
+
+Figures come from the peers' events, the coordinator's metrics store and a DHT reader polling the progress key.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.harness import Process, start_coordinator, start_peer
+
+PEERS = 4
+INNER_STEPS = 8  # a round every 10-20 s here: a departure costs at most that much of one peer's work
+STEADY_S, CHURN_S = 120.0, 300.0  # smoke: SMOKE_STEADY_S, SMOKE_CHURN_S
+SMOKE_STEADY_S, SMOKE_CHURN_S = 40.0, 45.0
+GAP_S = (20.0, 40.0)  # seconds between two churn events, uniformly: one every 30 s on average
+SEED = 15
+POLL_S = 0.25  # how often the DHT reader looks at the progress records
+
+
+class CountWatch(threading.Thread):
+    """Polls hivemind's progress records of the run: `counted` is the set of peer IDs (base58) they count now, and
+    `gone_at(peer_id, since)` the first poll after `since` that did not count the peer."""
+
+    def __init__(self, addresses: list[str], run_id: str):
+        super().__init__(daemon=True)
+        import hivemind
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        self.dht = hivemind.DHT(initial_peers=addresses, client_mode=True, start=True,
+                                record_validators=[RSASignatureValidator()])
+        self.key = f"{run_id}_progress"
+        self.polls: list[tuple[float, set[str]]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        from hivemind.p2p import PeerID
+
+        while not self.stopped.wait(POLL_S):
+            try:
+                found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=5)
+            except Exception:  # a slow read: the next poll
+                continue
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+            counted = {PeerID(entry.value["peer_id"]).to_base58() for entry in entries.values()
+                       if isinstance(entry.value, dict) and isinstance(entry.value.get("peer_id"), bytes)}
+            self.polls.append((time.time(), counted))
+
+    def gone_at(self, peer_id: str, since: float, timeout: float = 60.0) -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for at, counted in list(self.polls):
+                if at >= since and peer_id not in counted:
+                    return at
+            time.sleep(POLL_S)
+        return None
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.join(10)
+        self.dht.shutdown()
+
+
+def applied_samples(peer: Process, start: float, end: float) -> int:
+    """Samples the peer trained that reached a round between `start` and `end`: its cumulative samples at its last
+    swarm epoch by `end` less those at its last one by `start` (each epoch of a diloco peer ends a round)."""
+    def at(moment: float) -> int:
+        return max((e["samples"] for e in peer.events("epoch") if e["time"] <= moment), default=0)
+
+    return at(end) - at(start)
+
+
+def rounds_by_peer(store: Path) -> dict[str, tuple[int, int, int]]:
+    """Each peer's outer rounds so far (averaged, alone, failed), from the coordinator's metrics store."""
+    from hivetrain.metrics_store import MetricsReader
+
+    with MetricsReader(store) as reader:
+        return {p.peer_id: (p.rounds_averaged or 0, p.rounds_alone or 0, p.rounds_failed or 0)
+                for p in reader.peers()}
+
+
+def left_at(store: Path, peer_id: str) -> float | None:
+    from hivetrain.metrics_store import MetricsReader
+
+    with MetricsReader(store) as reader:
+        return next((p.left_at for p in reader.peers() if p.peer_id == peer_id), None)
+
+
+def last_samples(store: Path, peer_id: str) -> int:
+    from hivetrain.metrics_store import MetricsReader
+
+    with MetricsReader(store) as reader:
+        return next((p.samples for p in reader.peers() if p.peer_id == peer_id), 0)
+
+
+def churn_suite(work: Path, smoke: bool) -> dict:
+    from benchmarks.bench import MONITOR_ONLY
+    from hivetrain.config import diloco_schedule_flags, get_preset
+
+    steady_s, churn_s = (SMOKE_STEADY_S, SMOKE_CHURN_S) if smoke else (STEADY_S, CHURN_S)
+    rng = random.Random(SEED)
+    config = get_preset("demo")
+    store = work / "churn" / "metrics.sqlite"
+    roles: list[Process] = []
+    watch = None
+    try:
+        coordinator, addresses = start_coordinator(
+            work, "churn", [*MONITOR_ONLY, "--mode", "diloco", "--inner-steps", str(INNER_STEPS), "--refresh", "1",
+                            *diloco_schedule_flags(config, PEERS)])
+        roles.append(coordinator)
+        run_id = coordinator.event("serving")["run_id"]
+        joined = 0
+
+        def new_peer(wait_for_all: bool) -> Process:
+            nonlocal joined
+            peer = start_peer(work, f"churn-peer-{joined}", addresses, [
+                "--threads", "1", "--seed", str(joined), "--progress-bar", "off",
+                *(["--min-peers", str(PEERS)] if wait_for_all else [])])
+            joined += 1
+            roles.append(peer)
+            return peer
+
+        training = [new_peer(wait_for_all=True) for _ in range(PEERS)]
+        for peer in training:
+            peer.wait_for_event("training_started", timeout=300)
+        watch = CountWatch(addresses, run_id)
+        watch.start()
+        time.sleep(20)  # every peer through its first round
+        steady_from, rounds_start = time.time(), rounds_by_peer(store)
+        time.sleep(steady_s)
+        churn_from = time.time()
+        rounds_steady = rounds_by_peer(store)
+        steady_rate = sum(applied_samples(p, steady_from, churn_from) for p in training) / (churn_from - steady_from)
+        print(f"steady: {steady_rate:.1f} samples/s over {churn_from - steady_from:.0f} s", flush=True)
+
+        departures, everyone = [], list(training)
+        next_at = churn_from + rng.uniform(*GAP_S)
+        while next_at < churn_from + churn_s:
+            time.sleep(max(0.0, next_at - time.time()))
+            victim = rng.choice(training)
+            kind = rng.choice(("leave", "kill"))
+            peer_id = victim.event("state_loaded")["peer_id"]
+            at = time.time()
+            if kind == "kill":
+                victim.kill()
+            else:
+                victim.popen.send_signal(15)
+            joiner = new_peer(wait_for_all=False)
+            training = [p for p in training if p is not victim] + [joiner]
+            everyone.append(joiner)
+            departures.append(dict(kind=kind, peer=victim, peer_id=peer_id, at=at, joiner=joiner))
+            print(f"{time.time() - churn_from:.0f} s: {kind} {victim.log.stem}, {joiner.log.stem} joins", flush=True)
+            next_at += rng.uniform(*GAP_S)
+        time.sleep(max(0.0, churn_from + churn_s - time.time()))
+        churn_to = time.time()
+        rounds_end = rounds_by_peer(store)
+        churn_rate = sum(applied_samples(p, churn_from, churn_to) for p in everyone) / (churn_to - churn_from)
+        print(f"churn: {churn_rate:.1f} samples/s over {churn_to - churn_from:.0f} s", flush=True)
+
+        events = []
+        for d in departures:
+            victim, joiner = d["peer"], d["joiner"]
+            if d["kind"] == "leave":
+                victim.leave()
+            gone = watch.gone_at(d["peer_id"], d["at"])
+            marked = left_at(store, d["peer_id"])
+            left = victim.events("left")
+            computed = left[0]["samples"] if left else last_samples(store, d["peer_id"])  # killed: its last record
+            applied = max((e["samples"] for e in victim.events("epoch")), default=0)
+            try:
+                first_step = joiner.wait_for_event("first_step", timeout=60)["time"] - joiner.started
+                state_loaded = joiner.event("state_loaded")["time"] - joiner.started
+            except RuntimeError:  # killed later in the churn before its first step, or still loading at the end
+                first_step = state_loaded = None
+            events.append(dict(
+                kind=d["kind"], at_s=d["at"] - churn_from, peer=victim.log.stem, joiner=joiner.log.stem,
+                stopped_counting_s=None if gone is None else gone - d["at"],
+                coordinator_marked_left_s=None if marked is None else marked - d["at"],
+                unapplied_samples=max(0, computed - applied), join_state_loaded_s=state_loaded,
+                join_first_step_s=first_step))
+
+        def phase(before: dict, after: dict) -> dict:
+            totals = [sum(after[p][i] - before.get(p, (0, 0, 0))[i] for p in after) for i in range(3)]
+            return dict(zip(("averaged", "alone", "failed"), totals))
+
+        return dict(
+            preset="demo", peers=PEERS, inner_steps=INNER_STEPS, seed=SEED, steady_s=churn_from - steady_from,
+            churn_s=churn_to - churn_from, steady_samples_per_s=steady_rate, churn_samples_per_s=churn_rate,
+            rounds_steady=phase(rounds_start, rounds_steady),
+            rounds_churn=phase(rounds_steady, rounds_end), events=events)
+    finally:
+        if watch is not None:
+            watch.close()
+        for role in reversed(roles):
+            role.stop()
+
+
+def churn_section(result: dict, env: dict, out: Path) -> str:
+    from benchmarks.bench import _measured_by, _verdict
+
+    def seconds(value: float | None) -> str:
+        return "–" if value is None else f"{value:.1f}"
+
+    events = result["events"]
+    rows = "".join(
+        f"| {e['at_s']:.0f} | {e['kind']} | {e['peer']} | {seconds(e['stopped_counting_s'])} |"
+        f" {seconds(e['coordinator_marked_left_s'])} | {e['unapplied_samples']} | {e['joiner']} |"
+        f" {seconds(e['join_state_loaded_s'])} | {seconds(e['join_first_step_s'])} |\n" for e in events)
+    ratio = result["churn_samples_per_s"] / result["steady_samples_per_s"]
+    clean = [e["stopped_counting_s"] for e in events if e["kind"] == "leave"]
+    killed = [e["stopped_counting_s"] for e in events if e["kind"] == "kill"]
+    joins = [e["join_first_step_s"] for e in events if e["join_first_step_s"] is not None]
+
+    def worst(values: list) -> float:
+        return max((v if v is not None else float("inf")) for v in values) if values else float("nan")
+
+    steady, churn = result["rounds_steady"], result["rounds_churn"]
+    return (
+        "## churn\n\n"
+        f"{_measured_by('churn', env)} A coordinator and {result['peers']} peers of the `{result['preset']}` preset"
+        f" (diloco, {result['inner_steps']} inner steps per round, one torch thread each) train undisturbed for"
+        f" {result['steady_s']:.0f} s, then for {result['churn_s']:.0f} s a peer leaves at seeded random intervals"
+        f" (seed {result['seed']}, 20-40 s apart), cleanly (SIGTERM) or killed (SIGKILL), and a new peer starts at"
+        " once in its place. Samples/s: samples the peers trained up to their last completed round in each window,"
+        " per second (peers' epoch events). Stops counting: seconds from the signal until hivemind's progress"
+        " records, polled every 0.25 s by a DHT reader, no longer count the peer; marked left: until the coordinator's"
+        " store does (a look every second). Unapplied: samples the departed peer trained after its last round."
+        " Join: seconds from the new peer's process start (about 5 s of it imports).\n\n"
+        f"| | samples/s | rounds averaged | alone | failed |\n|---|---:|---:|---:|---:|\n"
+        f"| undisturbed | {result['steady_samples_per_s']:.1f} | {steady['averaged']} | {steady['alone']} |"
+        f" {steady['failed']} |\n"
+        f"| churn | {result['churn_samples_per_s']:.1f} ({ratio:.0%}) | {churn['averaged']} | {churn['alone']} |"
+        f" {churn['failed']} |\n\n"
+        "| at (s) | event | peer | stops counting (s) | marked left (s) | unapplied samples | joiner |"
+        " state loaded (s) | first step (s) |\n|---:|---|---|---:|---:|---:|---|---:|---:|\n"
+        f"{rows}\n"
+        "Targets: a departed peer stops counting within 2 s of a clean leave "
+        + _verdict(worst(clean) <= 2, f"worst {worst(clean):.1f} s") + " Within 15 s of SIGKILL "
+        + _verdict(worst(killed) <= 15, f"worst {worst(killed):.1f} s") + " Throughput under churn at least 85% of"
+        " the undisturbed swarm's " + _verdict(ratio >= 0.85, f"{ratio:.0%}") + " No join over 12 s "
+        + _verdict(worst(joins) <= 12, f"worst {worst(joins):.1f} s") + "\n"
+    )

@@ -1,0 +1,106 @@
+"""The monitor suite: what one look at the swarm costs the coordinator as the swarm grows to hundreds of peers.
+
+Training peers fill this machine's two cores long before that, so the peers here are lightweight publishers
+(benchmarks/publishers.py): DHT-only stand-ins that publish a peer's metrics and progress records as often as a
+training peer does, each signed with its own key. Figures come from the coordinator's events (each look and how long
+it took) and its metrics store (how many peers each look counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.harness import Process, start_coordinator
+
+PUBLISHERS = (16, 64, 256)
+PER_PROCESS = 64  # simulated peers per publisher process (they share its p2p daemon)
+WINDOW_S, SMOKE_WINDOW_S = 60.0, 15.0
+
+
+def monitor_suite(work: Path, smoke: bool) -> dict:
+    import psutil
+
+    from benchmarks.bench import MONITOR_ONLY
+    from hivetrain.metrics_store import MetricsReader
+
+    window_s = SMOKE_WINDOW_S if smoke else WINDOW_S
+    results = []
+    for count in PUBLISHERS[:1] if smoke else PUBLISHERS:
+        name = f"monitor-{count}"
+        roles: list[Process] = []
+        try:
+            coordinator, addresses = start_coordinator(work, name, [*MONITOR_ONLY, "--refresh", "2"])
+            roles.append(coordinator)
+            run_id = coordinator.event("serving")["run_id"]
+            processes = -(-count // PER_PROCESS)
+            for index in range(processes):
+                share = count // processes + (index < count % processes)
+                roles.append(Process(["-m", "benchmarks.publishers", "--initial-peers", *addresses, "--run-id",
+                                      run_id, "--count", str(share), "--name", f"{name}-{index}"],
+                                     work / f"{name}-publishers-{index}.log",
+                                     events=work / f"{name}-publishers-{index}.events"))
+            for publishers in roles[1:]:
+                publishers.wait_for_event("publishing", timeout=300)
+            time.sleep(2 * 5.0)  # every simulated peer has refreshed its records at least once
+            tree = psutil.Process(coordinator.popen.pid)
+
+            def cpu_seconds() -> float:
+                total = 0.0
+                for process in [tree, *tree.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        total += sum(process.cpu_times()[:2])  # user + system
+                return total
+
+            cpu_before, started = cpu_seconds(), time.time()
+            time.sleep(window_s)
+            cpu, ended = cpu_seconds() - cpu_before, time.time()
+            rss = sum(process.memory_info().rss for process in [tree, *tree.children(recursive=True)])
+            looks = [e["seconds"] for e in coordinator.events("look") if started <= e["time"] <= ended]
+            with MetricsReader(work / name / "metrics.sqlite") as reader:
+                counted = [s.alive_peers for s in reader.snapshots(since=started) if s.time <= ended]
+            if not looks or not counted:
+                raise RuntimeError(f"the coordinator of {name} made no look in the window; see {coordinator.log}")
+            results.append(dict(
+                publishers=count, window_s=ended - started, looks=len(looks),
+                look_median_s=statistics.median(looks), look_max_s=max(looks),
+                counted_median=statistics.median(counted), counted_min=min(counted),
+                coordinator_cpu_percent=100 * cpu / (ended - started), coordinator_rss_bytes=rss))
+            print(f"{count} publishers: a look in {results[-1]['look_median_s']:.3f} s (median of {len(looks)}),"
+                  f" {results[-1]['counted_median']:.0f} counted, coordinator at"
+                  f" {results[-1]['coordinator_cpu_percent']:.1f}% of a core", flush=True)
+        finally:
+            for role in reversed(roles):
+                role.stop()
+    return dict(results=results, per_process=PER_PROCESS)
+
+
+def monitor_section(result: dict, env: dict, out: Path) -> str:
+    from benchmarks.bench import _measured_by, _verdict
+    from hivetrain.swarm import RECORD_LIFETIME
+    from hivetrain.telemetry import PEER_RECORD_TTL, PUBLISH_EVERY
+
+    rows = "".join(
+        f"| {r['publishers']} | {r['look_median_s']:.3f} | {r['look_max_s']:.3f} | {r['counted_median']:.0f} |"
+        f" {r['counted_min']} | {r['coordinator_cpu_percent']:.1f} | {r['coordinator_rss_bytes'] / 2**20:.0f} |\n"
+        for r in result["results"])
+    largest = max(result["results"], key=lambda r: r["publishers"])
+    return (
+        "## monitor\n\n"
+        f"{_measured_by('monitor', env)} A coordinator (no validation, a look every 2 s) and N lightweight"
+        f" publishers (`benchmarks/publishers.py`, {result['per_process']} per process): DHT-only stand-ins for"
+        f" peers that store a signed metrics record and a signed hivemind progress record every {PUBLISH_EVERY:.0f} s"
+        f" (±20%), each under its own key, with the lifetimes real peers use ({PEER_RECORD_TTL:.0f} s and"
+        f" {RECORD_LIFETIME:.0f} s). Over {result['results'][0]['window_s']:.0f} s: how long a look takes (reading both"
+        " keys, vetting every entry, writing the store), how many peers each look counted, and the coordinator's CPU"
+        " and memory with its DHT, state-holder and p2pd processes (100% = one core). The publishers run on the same"
+        " two cores.\n\n"
+        "| publishers | a look, median (s) | slowest look (s) | counted, median | counted, fewest |"
+        " coordinator CPU % | coordinator RSS (MiB) |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+        f"{rows}\n"
+        "Target: a look under 1 s with 256 publishers "
+        + _verdict(largest["publishers"] >= 256 and largest["look_max_s"] < 1,
+                   f"slowest {largest['look_max_s']:.2f} s with {largest['publishers']}") + "\n"
+    )
