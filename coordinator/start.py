@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["issue-token"]:
         return issue_token(argv[1:])
     args = parse_args(argv)
+    from hivetrain import require_extra
+
+    require_extra("coordinator", "boto3", "tensorboard")
     from hivetrain.swarm import run_role
 
     return run_role(partial(_run, args), farewell="Coordinator stopped.")

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: %(default)s: this machine only)")
     parser.add_argument("--port", type=int, default=8501, help="port to serve on (default: %(default)s)")
     args = parser.parse_args(argv)
+    from hivetrain import require_extra
+
+    require_extra("dashboard", "streamlit", "pandas", "altair")
     print(f"Dashboard: http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
     command = streamlit_command(args.store, args.host, args.port, args.records, args.refresh)
     # Become Streamlit (no child process): Ctrl-C and SIGTERM reach it directly and nothing is left behind.

@@ -4,6 +4,7 @@ The Lightning strategy is the library piece: `from hivetrain import HivemindStra
 """
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 # Imported on first use: `import hivetrain.config` (the first thing peers/join.py and scripts/demo.py do, to parse
@@ -32,3 +33,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def require_extra(extra: str, *modules: str) -> None:
+    """Stop with the one command that fixes it when a role's optional packages are missing: `pip install hivetrain`
+    installs only what a volunteer peer needs; the coordinator, dashboard and benchmarks come as extras."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"error: this needs {', '.join(missing)}, not installed here: pip install 'hivetrain[{extra}]'")

@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
+    from hivetrain import require_extra
+
+    require_extra("coordinator", "boto3")  # the checkpoint store's
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     # Imported here, not at the top: `from hivetrain.evaluate import evaluate` stays free of boto3 and Lightning.

@@ -1,19 +1,16 @@
 """The dashboard end to end in a real browser: a coordinator, two peers and the dashboard on 127.0.0.1, Debian's
-chromium driven by Playwright, until the page shows both peers and a validation point.
-
-The screenshot goes to the test's folder; set HIVETRAIN_SCREENSHOT=PATH to keep a copy (logbook/demo-dashboard.png
-was made that way)."""
+chromium driven by Playwright, until the page shows both peers and a validation point. (The README's picture comes
+from scripts/screenshot.py, the same way over `make demo`'s swarm.)"""
 
 import os
 import re
-import shutil
 import time
 import urllib.request
 
 from conftest import start_coordinator
 from s3server import free_ports
 
-CHROMIUM = "/usr/bin/chromium"  # installed by scripts/install-system-test-deps.sh; Playwright downloads no browser
+from dashboard.browser import CHROMIUM, dashboard_page
 
 
 def _wait_healthy(url: str, timeout: float) -> None:
@@ -43,8 +40,6 @@ def _metric(page, label: str) -> str:
 
 
 def test_dashboard_shows_the_live_swarm_in_a_browser(spawn, tmp_path):
-    from playwright.sync_api import sync_playwright
-
     assert os.access(CHROMIUM, os.X_OK), "chromium is missing: run scripts/install-system-test-deps.sh as root"
     _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo")
     port = free_ports(1)[0]
@@ -55,24 +50,15 @@ def test_dashboard_shows_the_live_swarm_in_a_browser(spawn, tmp_path):
         spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", name,
               "--threads", "1", "--min-peers", "2", "--stop-at-epoch", "40")
     _wait_healthy(url, timeout=60)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-gpu"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1800})
-            page.goto(url)
-            deadline = time.monotonic() + 240
-            # "–" until the coordinator has validated once, then a percentage
-            while not (_metric(page, "Alive peers") == "2" and (_metric(page, "Best top-1") or "").endswith("%")):
-                assert time.monotonic() < deadline, page.inner_text("body")[-2000:]
-                page.wait_for_timeout(1000)  # the page refreshes itself every 2 s
-            # Both peers, by name, and the validation curve are on the page.
-            page.wait_for_selector('[data-testid="stVegaLiteChart"]')
-            assert re.search(r"Best top-1 \d+\.\d+% at swarm epoch \d+", page.inner_text("body"))
-            shot = tmp_path / "dashboard.png"
-            page.screenshot(path=str(shot), full_page=True)
-        finally:
-            browser.close()
+    with dashboard_page(url) as page:
+        deadline = time.monotonic() + 240
+        # "–" until the coordinator has validated once, then a percentage
+        while not (_metric(page, "Alive peers") == "2" and (_metric(page, "Best top-1") or "").endswith("%")):
+            assert time.monotonic() < deadline, page.inner_text("body")[-2000:]
+            page.wait_for_timeout(1000)  # the page refreshes itself every 2 s
+        # Both peers, by name, and the validation curve are on the page.
+        page.wait_for_selector('[data-testid="stVegaLiteChart"]')
+        assert re.search(r"Best top-1 \d+\.\d+% at swarm epoch \d+", page.inner_text("body"))
+        shot = tmp_path / "dashboard.png"
+        page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 10_000
-    if os.environ.get("HIVETRAIN_SCREENSHOT"):
-        shutil.copy(shot, os.environ["HIVETRAIN_SCREENSHOT"])
