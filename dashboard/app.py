@@ -66,6 +66,14 @@ def utc(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def shown_path(path: Path) -> str:
+    """A path as people typed it: relative to the folder the dashboard runs in when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def peer_state(last_seen: float, now: float, left_at: float | None = None) -> str:
     if left_at is not None:
         return "left"
@@ -315,8 +323,8 @@ def main() -> None:
     args = parse_args(sys.argv[1:])
     st.title("HiveTrain")
     refresh = st.sidebar.number_input("Refresh every (seconds, 0 = off)", min_value=0, value=max(args.refresh, 0))
-    st.sidebar.caption(f"Metrics store: `{args.store}`")
-    st.sidebar.caption(f"Baseline records: `{args.records}`")
+    st.sidebar.caption(f"Metrics store: `{shown_path(args.store)}`")
+    st.sidebar.caption(f"Baseline records: `{shown_path(args.records)}`")
     # A fragment reruns alone on its timer; changing the interval reruns the page, which re-creates it.
     st.fragment(show_live, run_every=refresh or None)(args.store, args.records)
 

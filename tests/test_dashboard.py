@@ -296,3 +296,9 @@ def test_the_coordinator_stores_and_the_dashboard_shows_hostile_well_formed_reco
     assert HOSTILE_TEXT in list(table["name"])  # shown as text, whole
     assert set(table["state"]) <= {"online", "stale", "gone", "left"}
     assert dict(zip(table["peer"], table["state"]))["Qm-epoch…"] == "left"
+
+
+def test_shown_path(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert app.shown_path(tmp_path / "runs" / "metrics.sqlite") == "runs/metrics.sqlite"
+    assert app.shown_path(Path("/elsewhere/metrics.sqlite")) == "/elsewhere/metrics.sqlite"
