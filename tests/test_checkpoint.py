@@ -18,17 +18,9 @@ import torch
 from conftest import BUCKET
 from s3server import SeaweedS3, free_ports
 
-from hivetrain.checkpoint import (
-    Checkpoint,
-    CheckpointCorrupted,
-    CheckpointError,
-    LocalCheckpointStore,
-    MiB,
-    S3CheckpointStore,
-    S3Options,
-    load_checkpoint,
-    read_checkpoint,
-)
+from hivetrain.checkpoint import Checkpoint, CheckpointCorrupted, CheckpointError, LocalCheckpointStore, load_checkpoint, \
+    read_checkpoint
+from hivetrain.s3_store import MiB, S3CheckpointStore, S3Options
 from hivetrain.config import RunConfig, get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate
@@ -210,7 +202,7 @@ def test_s3_outage_keeps_the_local_copy_and_uploads_when_back(s3, demo, tmp_path
     store.save(demo.checkpoint(1))
     s3.stop()
     try:
-        with caplog.at_level(logging.INFO, logger="hivetrain.checkpoint"):
+        with caplog.at_level(logging.INFO, logger="hivetrain.s3_store"):
             started = time.monotonic()
             uri2 = store.save(demo.checkpoint(2, top1=0.8), best=True)
             uri3 = store.save(demo.checkpoint(3, top1=0.7))
