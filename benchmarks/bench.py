@@ -17,7 +17,6 @@ its Markdown section, registered in SUITES.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -419,8 +418,6 @@ def scale_suite(work: Path, smoke: bool) -> dict:
     """Swarms of 2, 4, 8 and 16 peers (one torch thread each) on loopback: the coordinator's CPU and memory (with its
     DHT, state holder and p2pd processes), how long each look at the swarm takes, how long a dashboard refresh's
     store reads take, and the swarm epoch time, over a window once every peer trains."""
-    import psutil
-
     seconds = 20 if smoke else 60
     results = []
     for size in SCALE_PEERS[:1] if smoke else SCALE_PEERS:
@@ -434,26 +431,18 @@ def scale_suite(work: Path, smoke: bool) -> dict:
                                         ["--threads", "1", "--min-peers", str(size), "--progress-bar", "off"]))
             for peer in roles[1:]:
                 peer.wait_for_event("training_started", timeout=120 + 20 * size)
-            tree = psutil.Process(coordinator.popen.pid)
-
-            def cpu_seconds() -> float:
-                total = 0.0
-                for process in [tree, *tree.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        total += sum(process.cpu_times()[:2])  # user + system
-                return total
-
             epoch_before = [reached_epoch(peer) for peer in roles[1:]]
-            cpu_before, started, started_unix = cpu_seconds(), time.monotonic(), time.time()
+            started = time.time()
             time.sleep(seconds)
-            cpu, window = cpu_seconds() - cpu_before, time.monotonic() - started
-            rss = sum(process.memory_info().rss for process in [tree, *tree.children(recursive=True)])
+            ended = time.time()
+            window, rss = ended - started, coordinator.rss_bytes()
+            main, descendants = coordinator.cpu_between(started, ended)
             epochs = max(reached_epoch(peer) - before for peer, before in zip(roles[1:], epoch_before))
-            looks = [event["seconds"] for event in coordinator.events("look") if event["time"] >= started_unix]
+            looks = [event["seconds"] for event in coordinator.events("look") if event["time"] >= started]
             if any(peer.popen.poll() is not None for peer in roles[1:]):
                 raise RuntimeError(f"a peer of {name} stopped during the window; see {work}")
             results.append(dict(
-                peers=size, window_s=window, coordinator_cpu_percent=100 * cpu / window,
+                peers=size, window_s=window, coordinator_cpu_percent=100 * (main + descendants),
                 coordinator_rss_bytes=rss, look_seconds=statistics.median(looks) if looks else None,
                 store_read_seconds=store_read_seconds(work / name / "metrics.sqlite"),
                 epochs=epochs, epoch_seconds=window / epochs if epochs else None,

@@ -15,7 +15,6 @@ Figures come from the peers' events, the coordinator's metrics store and a DHT r
 from __future__ import annotations
 
 import random
-import statistics
 import threading
 import time
 from pathlib import Path

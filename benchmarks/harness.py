@@ -126,6 +126,16 @@ class Process:
         (t0, main0, rest0), (t1, main1, rest1) = inside[0], inside[-1]
         return (main1 - main0) / (t1 - t0), (rest1 - rest0) / (t1 - t0)
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the process and its descendants now."""
+        import psutil
+
+        total, process = 0, psutil.Process(self.popen.pid)
+        for one in [process, *process.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += one.memory_info().rss
+        return total
+
     def wait(self, timeout: Optional[float]) -> int:
         """Its exit code; one still running after `timeout` seconds is stopped, and that is an error."""
         try:

@@ -8,7 +8,6 @@ it took) and its metrics store (how many peers each look counted).
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -21,8 +20,6 @@ WINDOW_S, SMOKE_WINDOW_S = 60.0, 15.0
 
 
 def monitor_suite(work: Path, smoke: bool) -> dict:
-    import psutil
-
     from benchmarks.bench import MONITOR_ONLY
     from hivetrain.metrics_store import MetricsReader
 
@@ -45,19 +42,11 @@ def monitor_suite(work: Path, smoke: bool) -> dict:
             for publishers in roles[1:]:
                 publishers.wait_for_event("publishing", timeout=300)
             time.sleep(2 * 5.0)  # every simulated peer has refreshed its records at least once
-            tree = psutil.Process(coordinator.popen.pid)
-
-            def cpu_seconds() -> float:
-                total = 0.0
-                for process in [tree, *tree.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        total += sum(process.cpu_times()[:2])  # user + system
-                return total
-
-            cpu_before, started = cpu_seconds(), time.time()
+            started = time.time()
             time.sleep(window_s)
-            cpu, ended = cpu_seconds() - cpu_before, time.time()
-            rss = sum(process.memory_info().rss for process in [tree, *tree.children(recursive=True)])
+            ended = time.time()
+            main, descendants = coordinator.cpu_between(started, ended)
+            rss = coordinator.rss_bytes()
             looks = [e["seconds"] for e in coordinator.events("look") if started <= e["time"] <= ended]
             with MetricsReader(work / name / "metrics.sqlite") as reader:
                 counted = [s.alive_peers for s in reader.snapshots(since=started) if s.time <= ended]
@@ -67,7 +56,7 @@ def monitor_suite(work: Path, smoke: bool) -> dict:
                 publishers=count, window_s=ended - started, looks=len(looks),
                 look_median_s=statistics.median(looks), look_max_s=max(looks),
                 counted_median=statistics.median(counted), counted_min=min(counted),
-                coordinator_cpu_percent=100 * cpu / (ended - started), coordinator_rss_bytes=rss))
+                coordinator_cpu_percent=100 * (main + descendants), coordinator_rss_bytes=rss))
             print(f"{count} publishers: a look in {results[-1]['look_median_s']:.3f} s (median of {len(looks)}),"
                   f" {results[-1]['counted_median']:.0f} counted, coordinator at"
                   f" {results[-1]['coordinator_cpu_percent']:.1f}% of a core", flush=True)
