@@ -15,7 +15,7 @@ from baselines.monitor import NvidiaSmiLog, UtilisationSampler, peak_memory
 from baselines.sharded import StateDict, full_state_dict, parameter_bytes
 from hivetrain.config import RunConfig
 from hivetrain.model import save_weights
-from hivetrain.records import RankMemory, Sharding, UtilisationSample, ValidationPoint
+from hivetrain.records import PipelineLayout, RankMemory, Sharding, UtilisationSample, ValidationPoint
 
 
 @dataclass
@@ -33,6 +33,7 @@ class RunStats:
     best_top1: Optional[float] = None
     best_checkpoint: Optional[str] = None
     sharding: Optional[Sharding] = None
+    pipeline: Optional[PipelineLayout] = None
     nvidia_smi_log: Optional[str] = None
 
 
