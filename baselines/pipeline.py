@@ -26,6 +26,7 @@ from baselines.recorder import RunStats
 from baselines.sharded import StateDict
 from hivetrain.config import RunConfig
 from hivetrain.data import ImageDataModule
+from hivetrain.evaluate import score
 from hivetrain.model import autocast_dtype, create_model, save_weights
 from hivetrain.module import make_optimizer
 from hivetrain.records import PipelineLayout, Sharding, ValidationPoint
@@ -130,11 +131,8 @@ class PipelineTrainer:
                 labels = torch.cat([labels, labels.new_zeros(batch_size - n)])
             logits = self._run(images, labels, None, train=False)
             if self.stage.last:
-                logits, labels = logits[:n].float(), labels[:n].to(self.device)
-                loss += F.cross_entropy(logits, labels, reduction="sum").item()
-                best = logits.topk(min(5, logits.shape[1]), dim=1).indices
-                top1 += (best[:, 0] == labels).sum().item()
-                top5 += (best == labels[:, None]).any(dim=1).sum().item()
+                batch_loss, batch_top1, batch_top5 = score(logits[:n].float(), labels[:n].to(self.device))
+                loss, top1, top5 = loss + batch_loss, top1 + batch_top1, top5 + batch_top5
             total += n
         self.stage.train()
         return dict(loss=loss / total, top1=top1 / total, top5=top5 / total) if self.stage.last else None
