@@ -209,10 +209,7 @@ def train_pipeline(config: RunConfig, datamodule: ImageDataModule, device_type: 
             val_time += time.monotonic() - val_started
         if step == max_steps:
             break
-    ended = time.monotonic()
-    stats.wall_time_s = round(ended - started, 3)
-    stats.train_time_s = round(ended - started - val_time, 3)
-    stats.steps = step
+    stats.end_training(started, val_time, step)
     nvidia_smi.stop()
     stats.nvidia_smi_log = str(nvidia_smi.path) if nvidia_smi.path is not None and rank == 0 else None
     if final_path is not None:
