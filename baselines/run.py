@@ -222,8 +222,10 @@ def _run(args: argparse.Namespace, command: str) -> int:
     if args.strategy == "pipeline" and batch_size % args.microbatches:
         raise ValueError(f"--batch-size {batch_size} does not split into {args.microbatches} equal micro-batches:"
                          " pass --batch-size or --microbatches so that the micro-batches divide the batch")
+    per = (f"in {args.microbatches} micro-batches ({args.schedule}) through the {world_size} stages"
+           if args.strategy == "pipeline" else "per device")
     _say(f"{name}: {args.strategy} on {args.num_nodes} node(s) x {devices} {device} device(s), precision {precision},"
-         f" batch {batch_size} per device x accumulate {args.accumulate}, preset {config.preset}"
+         f" batch {batch_size} {per} x accumulate {args.accumulate}, preset {config.preset}"
          f" (fingerprint {config.fingerprint})")
 
     from lightning.pytorch.loggers import TensorBoardLogger
