@@ -118,7 +118,7 @@ class RunRecord:
     precision: str
     batch_size: int  # per device, per step (a pipeline's whole batch, which every stage sees)
     batch_size_auto: bool  # found by --batch-size auto
-    accumulate: int  # micro-batches per optimizer step
+    accumulate: int  # batches per optimizer step (gradient accumulation)
     global_batch_size: int  # samples per optimizer step, all ranks together
     epochs: int  # training epochs completed
     steps: int  # optimizer steps taken
