@@ -86,10 +86,7 @@ def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices:
                 save_weights(best_path, model, config, point.epoch)
         if step == max_steps:
             break
-    ended = time.monotonic()
-    stats.wall_time_s = round(ended - started, 3)
-    stats.train_time_s = round(ended - started - val_time, 3)
-    stats.steps = step
+    stats.end_training(started, val_time, step)
     nvidia_smi.stop()
     stats.nvidia_smi_log = str(nvidia_smi.path) if nvidia_smi.path is not None else None
     stats.utilisation = [s for sampler in samplers for s in sampler.stop()]

@@ -15,7 +15,7 @@ from baselines.monitor import NvidiaSmiLog, UtilisationSampler, peak_memory
 from baselines.sharded import StateDict, full_state_dict, parameter_bytes
 from hivetrain.config import RunConfig
 from hivetrain.model import save_weights
-from hivetrain.records import RankMemory, Sharding, UtilisationSample, ValidationPoint
+from hivetrain.records import PipelineLayout, RankMemory, Sharding, UtilisationSample, ValidationPoint
 
 
 @dataclass
@@ -33,7 +33,16 @@ class RunStats:
     best_top1: Optional[float] = None
     best_checkpoint: Optional[str] = None
     sharding: Optional[Sharding] = None
+    pipeline: Optional[PipelineLayout] = None
     nvidia_smi_log: Optional[str] = None
+
+    def end_training(self, started: float, val_time: float, steps: int) -> None:
+        """Training ended now: wall time since `started` (time.monotonic()), the same without validation, and the
+        optimizer steps taken."""
+        ended = time.monotonic()
+        self.wall_time_s = round(ended - started, 3)
+        self.train_time_s = round(ended - started - val_time, 3)
+        self.steps = steps
 
 
 class RunRecorder(pl.Callback):
@@ -93,10 +102,7 @@ class RunRecorder(pl.Callback):
         self._val_started = None
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        ended = time.monotonic()
-        self.stats.wall_time_s = round(ended - self._started, 3)
-        self.stats.train_time_s = round(ended - self._started - self._val_time, 3)
-        self.stats.steps = trainer.global_step
+        self.stats.end_training(self._started, self._val_time, trainer.global_step)
         samples = self._sampler.stop() if self._sampler is not None else []
         self.nvidia_smi.stop()
         if trainer.is_global_zero and self.nvidia_smi.path is not None:

@@ -1,9 +1,10 @@
-"""Centralised baselines: train a preset on one device, with DDP, with FSDP2 sharding or with DataParallel, and write
-one run record for the logbook.
+"""Centralised baselines: train a preset on one device, with DDP, with FSDP2 sharding, with DataParallel or as a
+pipeline of stages, and write one run record for the logbook.
 
     python baselines/run.py --strategy single --preset demo --epochs 3
     python baselines/run.py --strategy ddp --devices 2 --preset demo --threads 1
     python baselines/run.py --strategy fsdp --devices 4 --preset cifar10-vit-b32 --epochs 25 --data-dir DATA
+    python baselines/run.py --strategy pipeline --devices 2 --preset demo --threads 1
 
 Everything the swarm uses is reused unchanged: the preset (hivetrain.config), the model (hivetrain.model), the data
 (hivetrain.data) and the LightningModule (hivetrain.module). Multi-node DDP/FSDP reads Lightning's cluster
@@ -24,7 +25,8 @@ from pathlib import Path
 
 # torch, lightning and timm take seconds to import: they come after the arguments are checked.
 
-STRATEGIES = ("single", "dp", "ddp", "fsdp")
+STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline")
+SCHEDULES = ("1f1b", "gpipe")  # baselines.pipeline.SCHEDULES; named here to check arguments before torch loads
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES")
 # Set by the first process of a node for the processes Lightning starts from it (same command line, new env).
@@ -39,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "strategies: single = one device; ddp = DistributedDataParallel (gloo on CPUs, NCCL on GPUs); fsdp ="
             " FSDP2 parameter sharding (torch fully_shard per transformer block, through Lightning's"
             " ModelParallelStrategy; works on CPUs too); dp = torch.nn.DataParallel over the GPUs of one process"
-            " (needs 2 or more GPUs). On CPUs, --devices is the number of processes per node."
+            " (needs 2 or more GPUs); pipeline = the ViT's blocks split into one stage per process"
+            " (torch.distributed.pipelining, micro-batches under a 1F1B or GPipe schedule)."
+            " On CPUs, --devices is the number of processes per node."
             " Several nodes: run the same command on every node with MASTER_ADDR, MASTER_PORT and NODE_RANK set"
             " (Lightning starts each node's --devices processes), or under torchrun or SLURM; baselines/README.md has"
             " the recipes, including 2 nodes simulated on one machine."
@@ -69,7 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     how.add_argument("--memory-budget", default=None,
                      help="for --batch-size auto: the peak memory one process may use, e.g. 4GiB (CPU: RSS, default"
                           " 4GiB; GPU: allocated memory, default until CUDA runs out of memory)")
-    how.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    how.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
+    how.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline: the schedule of micro-batches")
+    how.add_argument("--microbatches", type=int, default=None,
+                     help="pipeline: parts each batch is split into (default: 2 per stage); they divide the batch")
     how.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
     how.add_argument("--num-workers", type=int, default=None,
                      help="DataLoader workers per process (default: 0 on CPUs, 4 on GPUs)")
@@ -114,6 +121,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--strategy single trains on one device: use ddp or fsdp for --devices/--num-nodes above 1")
     if args.strategy == "dp" and args.num_nodes != 1:
         parser.error("--strategy dp runs in one process on one node: use ddp or fsdp across nodes")
+    if args.strategy == "pipeline":
+        stages = (args.devices or 1) * args.num_nodes
+        if stages < 2:
+            parser.error("--strategy pipeline needs 2 or more stages (--devices x --num-nodes): use --strategy single"
+                         " for one device")
+        args.microbatches = args.microbatches or 2 * stages
+        if args.microbatches < 1 or (args.schedule == "1f1b" and args.microbatches < stages):
+            parser.error(f"--microbatches must be at least 1, and for --schedule 1f1b at least the {stages} stages")
+        if args.precision == "16-mixed":
+            parser.error("--strategy pipeline supports --precision 32 or bf16-mixed (fp16 would need loss scaling"
+                         " inside the schedule)")
+        if args.batch_size == "auto":
+            parser.error("--strategy pipeline needs a --batch-size: the batch finder measures whole models")
+    elif args.microbatches is not None:
+        parser.error("--microbatches is for --strategy pipeline")
     if args.strategy == "fsdp" and args.precision == "16-mixed":
         parser.error("--strategy fsdp supports --precision 32 or bf16-mixed (Lightning's ModelParallelStrategy has"
                      " no fp16 gradient scaling)")
@@ -180,7 +202,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
     devices = args.devices or (torch.cuda.device_count() if args.strategy == "dp" else 1)
     if device == "cuda" and devices > torch.cuda.device_count():
         raise ValueError(f"--devices {devices}: this node has {torch.cuda.device_count()} CUDA GPUs")
-    world_size = devices * args.num_nodes  # data-parallel replicas: processes, or GPUs under DataParallel
+    world_size = devices * args.num_nodes  # processes, or GPUs under DataParallel
+    replicas = 1 if args.strategy == "pipeline" else world_size  # data-parallel: a pipeline's stages are one
     precision = _choose_precision(args.precision or config.precision, device, args.strategy)
     experiment = args.experiment or config.preset
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -191,13 +214,18 @@ def _run(args: argparse.Namespace, command: str) -> int:
     num_workers = args.num_workers if args.num_workers is not None else (4 if device == "cuda" else 0)
     datamodule = _datamodule(args, config, num_workers)
     datamodule.setup()  # loads (or fails on) the dataset now, and tells the batch search how many samples a rank gets
-    per_rank = datamodule.num_train // world_size
+    per_rank = datamodule.num_train // replicas
     batch_size, search = _resolve_batch_size(args, config, device, precision, per_rank)
     if batch_size > per_rank:
         raise ValueError(f"--batch-size {batch_size} is more than the {per_rank} training samples each of the"
-                         f" {world_size} devices gets: no full batch to train on")
+                         f" {replicas} devices gets: no full batch to train on")
+    if args.strategy == "pipeline" and batch_size % args.microbatches:
+        raise ValueError(f"--batch-size {batch_size} does not split into {args.microbatches} equal micro-batches:"
+                         " pass --batch-size or --microbatches so that the micro-batches divide the batch")
+    per = (f"in {args.microbatches} micro-batches ({args.schedule}) through the {world_size} stages"
+           if args.strategy == "pipeline" else "per device")
     _say(f"{name}: {args.strategy} on {args.num_nodes} node(s) x {devices} {device} device(s), precision {precision},"
-         f" batch {batch_size} per device x accumulate {args.accumulate}, preset {config.preset}"
+         f" batch {batch_size} {per} x accumulate {args.accumulate}, preset {config.preset}"
          f" (fingerprint {config.fingerprint})")
 
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -220,6 +248,18 @@ def _run(args: argparse.Namespace, command: str) -> int:
                 out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False),
             nvidia_smi_path=out_dir / "monitor" / f"{name}-nvidia-smi.csv",
         )
+    elif args.strategy == "pipeline":
+        from baselines.pipeline import train_pipeline
+
+        datamodule.batch_size = batch_size
+        stats = train_pipeline(
+            config, datamodule, device, devices, args.num_nodes, schedule=args.schedule,
+            microbatches=args.microbatches, accumulate=args.accumulate, precision=precision, epochs=args.epochs,
+            max_steps=args.max_steps, validate=args.val_limit != 0, pretrained_weights=args.pretrained_weights,
+            best_path=best_path, final_path=final_path, tensorboard=TensorBoardLogger(
+                out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False),
+            nvidia_smi_path=out_dir / "monitor" / f"{name}-node{os.environ.get('NODE_RANK', '0')}-nvidia-smi.csv",
+        )
     else:
         datamodule.batch_size = batch_size
         stats = _train_lightning(args, config, datamodule, device, devices, precision, experiment, name, out_dir,
@@ -238,7 +278,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
             args.checkpoint_store or out_dir / "checkpoints" / name, args.s3_endpoint_url,
         )
 
-    global_batch = batch_size * world_size * args.accumulate
+    global_batch = batch_size * replicas * args.accumulate
     record = RunRecord(
         name=name, experiment=experiment, strategy=args.strategy, preset=config.preset, config=config.to_dict(),
         fingerprint=config.fingerprint, command=command, started_at=started_at, host=os.uname().nodename,
@@ -256,8 +296,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
             trials=[BatchTrial(t.batch_size, t.fits, t.peak_bytes, round(t.seconds, 2), t.reason)
                     for t in search.trials],
         ),
-        sharding=stats.sharding, tensorboard_dir=str(tb_dir), nvidia_smi_log=stats.nvidia_smi_log,
-        cpu_count=os.cpu_count(),
+        sharding=stats.sharding, pipeline=stats.pipeline, tensorboard_dir=str(tb_dir),
+        nvidia_smi_log=stats.nvidia_smi_log, cpu_count=os.cpu_count(),
     )
     path = write_record(record, record_dir)
     last = record.final
@@ -270,10 +310,11 @@ def _run(args: argparse.Namespace, command: str) -> int:
 def _choose_precision(requested: str, device: str, strategy: str) -> str:
     from hivetrain.model import choose_precision
 
-    if strategy == "fsdp" and requested == "16-mixed":
-        raise ValueError("the preset's precision 16-mixed is not supported by --strategy fsdp: pass --precision"
-                         " bf16-mixed or 32")
-    return choose_precision(requested, device, fp16=strategy != "fsdp")  # fp16 needs loss scaling, which FSDP lacks
+    if strategy in ("fsdp", "pipeline") and requested == "16-mixed":
+        raise ValueError(f"the preset's precision 16-mixed is not supported by --strategy {strategy}: pass"
+                         " --precision bf16-mixed or 32")
+    # fp16 needs loss scaling, which FSDP (through Lightning) and the pipeline schedule lack
+    return choose_precision(requested, device, fp16=strategy not in ("fsdp", "pipeline"))
 
 
 def _resolve_batch_size(args: argparse.Namespace, config, device: str, precision: str, per_rank: int):

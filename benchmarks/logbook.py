@@ -3,7 +3,8 @@
     python -m benchmarks.logbook build [--records logbook/records ...] [--out logbook] [--experiment demo]
 
 Every record (one JSON file per run, see hivetrain.records) belongs to an experiment (by default its preset). Each
-experiment gets `<out>/<experiment>-baselines.md`: a side-by-side table of single / DP / DDP / FSDP / swarm, a
+experiment gets `<out>/<experiment>-baselines.md`: a side-by-side table of single / DP / DDP / FSDP / pipeline /
+swarm, a
 table per strategy, validation loss and top-1 against wall time and utilisation against time as PNG files next to
 the page, the commands that produced every record, and the TensorBoard command. A malformed record stops the build
 with the file and the field named.
@@ -24,7 +25,8 @@ from typing import Optional
 from hivetrain.formatting import fmt_bytes, fmt_pct, fmt_percent, fmt_seconds
 from hivetrain.records import STRATEGIES, RunRecord, read_record
 
-STRATEGY_TITLES = {"single": "Single device", "dp": "DataParallel", "ddp": "DDP", "fsdp": "FSDP", "swarm": "Swarm"}
+STRATEGY_TITLES = {"single": "Single device", "dp": "DataParallel", "ddp": "DDP", "fsdp": "FSDP",
+                   "pipeline": "Pipeline", "swarm": "Swarm"}
 PAGE_SUFFIX = "-baselines"  # logbook/<preset>.md is the swarm demo's own page (scripts/demo.py)
 
 
@@ -86,11 +88,29 @@ def layout(r: RunRecord) -> str:
         return f"1 process × {r.devices_per_node} GPUs"
     n = r.devices_per_node
     unit = ("GPU" + "s" * (n > 1)) if r.accelerator == "cuda" else ("CPU process" + "es" * (n > 1))
-    return f"{r.num_nodes} node{'s' * (r.num_nodes > 1)} × {n} {unit}"
+    stages = f"{r.world_size} stages ({r.pipeline.schedule}, {r.pipeline.microbatches} micro-batches) on " \
+        if r.pipeline else ""
+    return f"{stages}{r.num_nodes} node{'s' * (r.num_nodes > 1)} × {n} {unit}"
 
 
 def batch_text(r: RunRecord) -> str:
     return f"{r.batch_size}{' (auto)' if r.batch_size_auto else ''}"
+
+
+def stage_memory(r: RunRecord) -> str:
+    """Each pipeline stage's peak memory (GPU allocated on GPUs, else RSS); '–' for other strategies."""
+    if r.pipeline is None:
+        return "–"
+    return ", ".join(f"stage {m.rank}: {fmt_bytes(m.peak_rss_bytes if m.peak_gpu_bytes is None else m.peak_gpu_bytes)}"
+                     for m in r.memory)
+
+
+def parameters_held(r: RunRecord) -> str:
+    if r.sharding is None:
+        return "all"
+    held = r.sharding.per_rank_param_bytes
+    each = ", ".join(fmt_bytes(b) for b in held) if r.pipeline else fmt_bytes(max(held))  # stages differ, shards not
+    return f"{each} of {fmt_bytes(r.sharding.total_param_bytes)}"
 
 
 def checkpoint_text(r: RunRecord) -> str:
@@ -132,12 +152,12 @@ def side_by_side(records: list[RunRecord]) -> list[str]:
         row("throughput", lambda r: f"{r.samples_per_s:.1f} samples/s"),
         row("peak RSS per rank (max)", lambda r: fmt_bytes(r.peak_rss_bytes)),
         row("peak GPU memory per rank (max)", lambda r: fmt_bytes(r.peak_gpu_bytes)),
+        row("peak memory per pipeline stage (GPU, or RSS on CPUs)", stage_memory),
         row("CPU per process (mean, 100% = 1 core)", lambda r: fmt_percent(cpu_mean(r))),
         row("GPU utilisation (mean)", lambda r: fmt_percent(gpu_mean(r))),
         row("other programs' CPU meanwhile (mean)", lambda r: f"{other_load(r):.2f} cores" if other_load(r) is not None
             else "–"),
-        row("parameters held per rank", lambda r: f"{fmt_bytes(max(r.sharding.per_rank_param_bytes))} of"
-            f" {fmt_bytes(r.sharding.total_param_bytes)}" if r.sharding else "all"),
+        row("parameters held per rank", parameters_held),
         row("best checkpoint", checkpoint_text),
     ]
     lines = _table([""] + [STRATEGY_TITLES[s] for s in columns], rows)
@@ -176,7 +196,13 @@ def strategy_section(strategy: str, items: list[Loaded], out: Path) -> list[str]
         ranks = [f"rank {m.rank} {fmt_bytes(m.peak_rss_bytes)} RSS"
                  + (f" / {fmt_bytes(m.peak_gpu_bytes)} GPU" if m.peak_gpu_bytes is not None else "") for m in r.memory]
         lines += ["", "Peak memory per rank: " + ", ".join(ranks) + "."]
-        if r.sharding:
+        if r.pipeline and r.sharding:
+            lines.append(f"Pipeline stages ({r.pipeline.schedule} schedule, {r.pipeline.microbatches} micro-batches per"
+                         " batch): " + "; ".join(
+                             f"stage {i} runs {what} ({fmt_bytes(b)} of parameters)" for i, (what, b) in
+                             enumerate(zip(r.pipeline.stages, r.sharding.per_rank_param_bytes, strict=True)))
+                         + f", of {fmt_bytes(r.sharding.total_param_bytes)}.")
+        elif r.sharding:
             s = r.sharding
             lines.append(f"FSDP shards: each rank holds {', '.join(fmt_bytes(b) for b in s.per_rank_param_bytes)} of"
                          f" {fmt_bytes(s.total_param_bytes)} of parameters (largest shard {s.max_fraction:.1%} of the"

@@ -15,14 +15,17 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, device: str | torch.dev
     total = loss = top1 = top5 = 0.0
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
-        logits = model(images)
-        loss += F.cross_entropy(logits, labels, reduction="sum").item()
-        best = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        top1 += (best[:, 0] == labels).sum().item()
-        top5 += (best == labels[:, None]).any(dim=1).sum().item()
-        total += len(labels)
+        batch_loss, batch_top1, batch_top5 = score(model(images), labels)
+        loss, top1, top5, total = loss + batch_loss, top1 + batch_top1, top5 + batch_top5, total + len(labels)
     model.train(was_training)
     return dict(loss=loss / total, top1=top1 / total, top5=top5 / total, samples=int(total))
+
+
+def score(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, int]:
+    """One batch's summed cross-entropy and how many of its samples are right at top-1 and at top-5."""
+    best = logits.topk(min(5, logits.shape[1]), dim=1).indices
+    return (F.cross_entropy(logits, labels, reduction="sum").item(), int((best[:, 0] == labels).sum()),
+            int((best == labels[:, None]).any(dim=1).sum()))
 
 
 def main(argv: list[str] | None = None) -> int:

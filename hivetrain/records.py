@@ -23,7 +23,7 @@ from hivetrain.config import RunConfig
 from hivetrain.files import atomic_write
 
 SCHEMA_VERSION = 1
-STRATEGIES = ("single", "dp", "ddp", "fsdp", "swarm")
+STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline", "swarm")
 
 
 @dataclass
@@ -57,7 +57,7 @@ class RankMemory:
 
 @dataclass
 class Sharding:
-    """FSDP parameter sharding as measured: each rank's local shard against the whole model."""
+    """The parameters each rank holds, as measured, against the whole model: FSDP's shards or pipeline stages."""
 
     total_param_bytes: int
     per_rank_param_bytes: list[int]
@@ -66,6 +66,15 @@ class Sharding:
     def max_fraction(self) -> float:
         """The largest shard as a fraction of the model; 1/world size when shards are even."""
         return max(self.per_rank_param_bytes) / self.total_param_bytes
+
+
+@dataclass
+class PipelineLayout:
+    """How a pipeline run split the model: stage i ran on rank i."""
+
+    schedule: str  # "1f1b" or "gpipe" (torch.distributed.pipelining)
+    microbatches: int  # per batch: each batch goes through the stages in this many parts
+    stages: list[str]  # what each stage runs, e.g. "embedding, blocks 0-5"
 
 
 @dataclass
@@ -102,12 +111,14 @@ class RunRecord:
     versions: dict[str, str]  # torch, lightning, timm, ...
     num_nodes: int
     devices_per_node: int
-    world_size: int  # data-parallel replicas that trained together: processes, GPUs under DataParallel, or peers
+    # data-parallel replicas that trained together: processes, GPUs under DataParallel, or peers; for a pipeline,
+    # its processes (one per stage), which together are one replica
+    world_size: int
     threads: Optional[int]  # torch threads per process, None when left to torch
     precision: str
-    batch_size: int  # per device, per step
+    batch_size: int  # per device, per step (a pipeline's whole batch, which every stage sees)
     batch_size_auto: bool  # found by --batch-size auto
-    accumulate: int  # micro-batches per optimizer step
+    accumulate: int  # batches per optimizer step (gradient accumulation)
     global_batch_size: int  # samples per optimizer step, all ranks together
     epochs: int  # training epochs completed
     steps: int  # optimizer steps taken
@@ -121,7 +132,8 @@ class RunRecord:
     best_checkpoint: Optional[str] = None  # URI of the weights with the best validation top-1 (store_checkpoint)
     best_top1: Optional[float] = None
     batch_search: Optional[BatchSearch] = None
-    sharding: Optional[Sharding] = None  # FSDP only
+    sharding: Optional[Sharding] = None  # FSDP and pipeline only
+    pipeline: Optional[PipelineLayout] = None  # pipeline only
     tensorboard_dir: Optional[str] = None
     nvidia_smi_log: Optional[str] = None  # raw `nvidia-smi -l 1` output of rank 0's node, when the binary exists
     cpu_count: Optional[int] = None  # logical CPUs of rank 0's machine: with system_cpu_percent, the load of others

@@ -174,6 +174,9 @@ def test_parse_bytes():
     (["--strategy", "fsdp", "--precision", "16-mixed"], "supports --precision 32 or bf16-mixed"),
     (["--strategy", "ddp", "--memory-budget", "lots"], "--memory-budget"),
     (["--strategy", "ddp", "--preset", "nope"], "unknown preset 'nope'"),
+    (["--strategy", "pipeline", "--devices", "1"], "--strategy pipeline needs 2 or more stages"),
+    (["--strategy", "pipeline", "--devices", "2", "--microbatches", "1"], "for --schedule 1f1b at least the 2 stages"),
+    (["--strategy", "pipeline", "--devices", "2", "--microbatches", "5"], "does not split into 5 equal micro-batches"),
 ])
 def test_bad_input_fails_with_one_line(args, message, tmp_path):
     result = run([*args, "--out-dir", str(tmp_path)], timeout=60)
@@ -196,7 +199,8 @@ def test_help_explains_the_strategies():
     result = subprocess.run([sys.executable, "baselines/run.py", "--help"], cwd=ROOT, env=env(), capture_output=True,
                             text=True, timeout=30)
     assert result.returncode == 0
-    for words in ("--strategy {single,dp,ddp,fsdp}", "FSDP2", "DataParallel", "--memory-budget", "NODE_RANK"):
+    for words in ("--strategy {single,dp,ddp,fsdp,pipeline}", "FSDP2", "DataParallel", "1F1B", "--memory-budget",
+                  "NODE_RANK"):
         assert words in " ".join(result.stdout.split()), words
 
 

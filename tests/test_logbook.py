@@ -14,6 +14,7 @@ import pytest
 from benchmarks import logbook
 from hivetrain.config import get_preset
 from hivetrain.records import (
+    PipelineLayout,
     RankMemory,
     RunRecord,
     Sharding,
@@ -123,6 +124,25 @@ def test_swarm_record_fills_its_column(records, tmp_path):
     page = (out / "demo-baselines.md").read_text()
     assert "No swarm record" not in page and "2 peers" in page and "99.9 samples/s" in page
     assert "## Swarm" in page
+
+
+def test_pipeline_record_fills_its_column_with_memory_per_stage(records, tmp_path):
+    pipeline = make_record("pipeline", "demo-pipeline-e", 0.9, 77.7, global_batch_size=64,
+                           memory=[RankMemory(0, "vm", 700 * 2**20), RankMemory(1, "vm", 650 * 2**20)],
+                           sharding=Sharding(total_param_bytes=3 * 2**20, per_rank_param_bytes=[2 * 2**20, 2**20]),
+                           pipeline=PipelineLayout("1f1b", 4, ["embedding, block 0", "block 1, norm, head"]))
+    write_record(pipeline, records)
+    out = tmp_path / "logbook"
+    assert logbook.main(["build", "--records", str(records), "--out", str(out)]) == 0
+    page = (out / "demo-baselines.md").read_text()
+    side_by_side = page.split("## Side by side")[1].split("## Plots")[0]
+    assert "| Single device | DDP | FSDP | Pipeline | Swarm |" in side_by_side
+    memory_row = ("| peak memory per pipeline stage (GPU, or RSS on CPUs) | – | – | – |"
+                  " stage 0: 700.0 MiB, stage 1: 650.0 MiB |")
+    assert memory_row in side_by_side
+    assert "2.0 MiB, 1.0 MiB of 3.0 MiB" in side_by_side and "2 stages (1f1b, 4 micro-batches) on 1 node" in page
+    assert "## Pipeline" in page and "stage 1 runs block 1, norm, head (1.0 MiB of parameters)" in page
+    assert "77.7 samples/s" in page
 
 
 def test_malformed_record_fails_naming_file_and_field(records, tmp_path, capsys):
