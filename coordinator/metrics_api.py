@@ -47,9 +47,14 @@ def run_state(store: str | Path, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     with MetricsReader(store) as reader:
         run, snapshot, validation = reader.run(), reader.latest_snapshot(), reader.latest_validation()
-        rows = [row for row in reader.peers() if row.left_at is None or now - row.left_at < LEFT_PEERS_SHOWN]
-    peers = [_peer(row) for row in rows]
-    alive = [peer for peer in peers if not peer["left"]]
+        rows = reader.peers()
+    peers = [_peer(row) for row in rows if row.left_at is None or now - row.left_at < LEFT_PEERS_SHOWN]
+    # The run's rounds so far, summed over every peer it has seen (not only those shown: a counter must not drop when
+    # a peer's series does); one round averaged by a group counts once per member. Sync runs have no rounds of this
+    # kind (their gradients are averaged every swarm epoch): rounds and round_bytes are None there.
+    diloco = [row for row in rows if row.rounds_averaged is not None]
+    rounds = {outcome: sum(getattr(row, f"rounds_{outcome}") or 0 for row in diloco) for outcome in ROUND_OUTCOMES}
+    sent = [peer["round_bytes"] for peer in peers if not peer["left"] and peer["round_bytes"] is not None]
     return dict(
         run=run and dict(run_id=run.run_id, preset=run.preset, fingerprint=run.fingerprint, started=run.started),
         swarm=snapshot and dict(
@@ -58,13 +63,8 @@ def run_state(store: str | Path, now: float | None = None) -> dict:
             samples_accumulated=snapshot.samples_accumulated, target_batch_size=snapshot.target_batch_size),
         validation=validation and dict(time=validation.time, epoch=validation.epoch, loss=_finite(validation.loss),
                                        top1=_finite(validation.top1), top5=_finite(validation.top5)),
-        # Summed over the peers shown: one round averaged by a group counts once per member. Sync runs have no rounds
-        # of this kind (their gradients are averaged every swarm epoch): rounds and round_bytes are None there.
-        rounds={outcome: sum(peer["rounds"][outcome] or 0 for peer in peers) for outcome in ROUND_OUTCOMES}
-        if any(peer["rounds"]["averaged"] is not None for peer in peers) else None,
-        # what the peers in the swarm sent in their last round (estimated by each peer)
-        round_bytes=sum(peer["round_bytes"] for peer in alive) if any(p["round_bytes"] is not None for p in alive)
-        else None,
+        rounds=rounds if diloco else None,
+        round_bytes=sum(sent) if sent else None,  # what the peers in the swarm sent in their last round (estimated)
         peers=peers,
     )
 
@@ -79,64 +79,54 @@ class StateCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
         state = run_state(self.store)
-
-        def gauge(name: str, doc: str, value, labels: list[str] = (), values: list[tuple] = ()):
-            family = GaugeMetricFamily(f"hivetrain_{name}", doc, labels=labels or None)
-            if labels:
-                for label_values, sample in values:
-                    if sample is not None:
-                        family.add_metric(label_values, sample)
-            elif value is None:
-                return  # nothing known yet (no look, no validation): the family is left out, not reported as 0
-            else:
-                family.add_metric([], value)
-            families.append(family)
-
-        families = []
         if run := state["run"]:
-            info = InfoMetricFamily("hivetrain_run", "The run this coordinator keeps")
-            info.add_metric([], {key: str(run[key]) for key in ("run_id", "preset", "fingerprint")})
-            families.append(info)
-        swarm = state["swarm"] or {}
-        gauge("swarm_epoch", "The swarm's epoch (sync) or outer round (diloco)", swarm.get("epoch"))
-        gauge("alive_peers", "Peers training in the swarm at the coordinator's last look", swarm.get("alive_peers"))
-        gauge("clients", "Of the alive peers, those in client mode (not dialable)", swarm.get("clients"))
-        gauge("samples_per_second", "Samples the peers trained per wall-clock second", swarm.get("samples_per_second"))
-        gauge("mean_loss", "The peers' mean training loss", swarm.get("mean_loss"))
-        gauge("last_look_timestamp_seconds", "When the coordinator last looked at the swarm", swarm.get("time"))
-        validation = state["validation"] or {}
-        gauge("validation_top1", "Top-1 accuracy of the latest validation", validation.get("top1"))
-        gauge("validation_loss", "Loss of the latest validation", validation.get("loss"))
-        gauge("validation_epoch", "Swarm epoch of the latest validation", validation.get("epoch"))
-        if state["rounds"] is not None:  # diloco runs only
-            rounds = CounterMetricFamily("hivetrain_rounds", "Diloco outer rounds of the peers shown, summed over the"
-                                         " peers (a group's round counts once per member)", labels=["outcome"])
+            yield InfoMetricFamily("hivetrain_run", "The run this coordinator keeps",
+                                   value={key: str(run[key]) for key in ("run_id", "preset", "fingerprint")})
+        swarm, validation = state["swarm"] or {}, state["validation"] or {}
+        for name, doc, value in [
+            ("swarm_epoch", "The swarm's epoch (sync) or outer round (diloco)", swarm.get("epoch")),
+            ("alive_peers", "Peers training in the swarm at the coordinator's last look", swarm.get("alive_peers")),
+            ("clients", "Of the alive peers, those in client mode (not dialable)", swarm.get("clients")),
+            ("samples_per_second", "Samples the peers trained per wall-clock second", swarm.get("samples_per_second")),
+            ("mean_loss", "The peers' mean training loss", swarm.get("mean_loss")),
+            ("last_look_timestamp_seconds", "When the coordinator last looked at the swarm", swarm.get("time")),
+            ("validation_top1", "Top-1 accuracy of the latest validation", validation.get("top1")),
+            ("validation_loss", "Loss of the latest validation", validation.get("loss")),
+            ("validation_epoch", "Swarm epoch of the latest validation", validation.get("epoch")),
+            ("round_bytes", "Bytes the alive peers sent in their last diloco round (estimated)", state["round_bytes"]),
+        ]:
+            if value is not None:  # not known (no look or validation yet, a sync run): left out, not a made-up 0
+                yield GaugeMetricFamily(f"hivetrain_{name}", doc, value=value)
+        if state["rounds"] is not None:
+            rounds = CounterMetricFamily("hivetrain_rounds", "The run's diloco outer rounds, summed over its peers (a"
+                                         " group's round counts once per member)", labels=["outcome"])
             for outcome, count in state["rounds"].items():
                 rounds.add_metric([outcome], count)
-            families.append(rounds)
-        gauge("round_bytes", "Bytes the alive peers sent in their last diloco round (estimated)", state["round_bytes"])
+            yield rounds
 
-        peers = state["peers"]
-        per_peer = ["peer_id", "name"]
-        gauge("peer_left", "1 once the peer has left (shown for an hour), 0 while it is in", None, per_peer,
-              [((p["peer_id"], p["name"]), int(p["left"])) for p in peers])
-        gauge("peer_last_seen_timestamp_seconds", "When the coordinator last saw the peer's record", None, per_peer,
-              [((p["peer_id"], p["name"]), p["last_seen"]) for p in peers])
-        gauge("peer_samples_per_second", "Samples the peer trained per wall-clock second", None, per_peer,
-              [((p["peer_id"], p["name"]), p["samples_per_second"]) for p in peers])
-        gauge("peer_round_bytes", "Bytes the peer sent in its last diloco round (estimated)", None, per_peer,
-              [((p["peer_id"], p["name"]), p["round_bytes"]) for p in peers])
+        peers, labels = state["peers"], ["peer_id", "name"]
+        for name, doc, key in [
+            ("peer_left", "1 once the peer has left (it stays a series for an hour), 0 while it is in", "left"),
+            ("peer_last_seen_timestamp_seconds", "When the coordinator last saw the peer's record", "last_seen"),
+            ("peer_samples_per_second", "Samples the peer trained per wall-clock second", "samples_per_second"),
+            ("peer_round_bytes", "Bytes the peer sent in its last diloco round (estimated)", "round_bytes"),
+        ]:
+            family = GaugeMetricFamily(f"hivetrain_{name}", doc, labels=labels)
+            for peer in peers:
+                if peer[key] is not None:
+                    family.add_metric([peer["peer_id"], peer["name"]], float(peer[key]))
+            yield family
         samples = CounterMetricFamily("hivetrain_peer_samples", "Samples the peer contributed since it joined",
-                                      labels=per_peer)
+                                      labels=labels)
         peer_rounds = CounterMetricFamily("hivetrain_peer_rounds", "The peer's diloco outer rounds",
-                                          labels=[*per_peer, "outcome"])
-        for p in peers:
-            samples.add_metric([p["peer_id"], p["name"]], p["samples"])
-            for outcome, count in p["rounds"].items():
+                                          labels=[*labels, "outcome"])
+        for peer in peers:
+            samples.add_metric([peer["peer_id"], peer["name"]], peer["samples"])
+            for outcome, count in peer["rounds"].items():
                 if count is not None:
-                    peer_rounds.add_metric([p["peer_id"], p["name"], outcome], count)
-        families += [samples, peer_rounds]
-        return families
+                    peer_rounds.add_metric([peer["peer_id"], peer["name"], outcome], count)
+        yield samples
+        yield peer_rounds
 
 
 def make_app(store: str | Path):
@@ -176,10 +166,10 @@ class MetricsServer:
         app = make_app(store)  # first: it says which extra to install when prometheus-client is missing
         from prometheus_client.exposition import ThreadingWSGIServer
 
-        # IPv6 hosts (e.g. ::1) need a socket of that family
-        server_class = type("Server", (ThreadingWSGIServer,), dict(
-            address_family=socket.AF_INET6 if ":" in host else socket.AF_INET))
-        self.server = make_server(host, port, app, server_class, _QuietHandler)
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 host (::1) needs its family
+
+        self.server = make_server(host, port, app, Server, _QuietHandler)
         host, port = self.server.server_address[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="metrics-server", daemon=True)
