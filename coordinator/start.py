@@ -81,8 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="where the metrics store, TensorBoard events and checkpoints go (default: runs/<run-id>)")
     watch.add_argument("--store", default=None, metavar="FILE", help="the SQLite metrics store (default: <log-dir>/metrics.sqlite)")
     watch.add_argument("--events", default=None, metavar="FILE",
-                       help="append what happens (serving at which addresses, each look at the swarm) as JSON lines,"
-                            " for benchmarks and tests")
+                       help="append what happens (serving at which addresses and metrics URL, each look at the"
+                            " swarm) as JSON lines, for benchmarks and tests")
+    watch.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve /metrics (Prometheus) and /api/state (JSON) on this port (default: off; 0: any"
+                            " free port, printed)")
+    watch.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address /metrics and /api/state listen on (default: %(default)s, this machine only)")
     watch.add_argument("--validate-every", type=int, default=1, metavar="EPOCHS",
                        help="validate the shared model every this many swarm epochs (default: %(default)s; 0: never)")
     watch.add_argument("--val-limit", type=int, default=None, metavar="N", help="validate on the first N samples only (small machines)")
@@ -99,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be in 0..65535")
     if args.refresh <= 0:
         parser.error("--refresh must be positive")
     if args.validate_every < 0:
@@ -257,6 +264,10 @@ def _run(args: argparse.Namespace) -> int:
         checkpoints = open_store(args.checkpoint_store or log_dir / "checkpoints", keep_last=args.keep_last,
                                  endpoint_url=args.s3_endpoint_url)
         resources.append(checkpoints)
+        metrics_server = None
+        if args.metrics_port is not None:
+            metrics_server = _serve_metrics(writer.path, args.metrics_host, args.metrics_port)
+            resources.append(metrics_server)
 
         identity = Path(args.identity or Path.home() / ".cache" / "hivetrain" / config.run_id / "coordinator.key")
         identity.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
         # Before anything is published or read: this node refuses records of the run's keys that no reader could use.
         guard_run_keys(dht, config.run_id)
         dht.run_coroutine(serve_dial_back)  # joiners ask whether the swarm can dial them (--client-mode auto)
-        return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir)
+        return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir, metrics_server)
     except (SwarmError, StoreError, CheckpointError, DatasetUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -285,6 +296,17 @@ def _run(args: argparse.Namespace) -> int:
             _close(resource)
 
 
+def _serve_metrics(store: Path, host: str, port: int):
+    from coordinator.metrics_api import MetricsServer
+
+    try:
+        return MetricsServer(store, host, port)
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    except OSError as e:  # the port is taken, the address is not this machine's
+        raise ValueError(f"cannot serve metrics on {host} port {port}: {e.strerror or e}") from None
+
+
 def _close(resource) -> None:
     from hivetrain.checkpoint import CheckpointStore
 
@@ -294,7 +316,7 @@ def _close(resource) -> None:
     resource.shutdown() if hasattr(resource, "shutdown") else resource.close()
 
 
-def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir) -> int:
+def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir, metrics_server) -> int:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
@@ -313,7 +335,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
               " (use --host 0.0.0.0, or --announce with your public address).", flush=True)
     print(f"To join, run:\n  {command}", flush=True)
     events = EventLog(args.events)
-    events("serving", run_id=config.run_id, initial_peers=addresses)
+    events("serving", run_id=config.run_id, initial_peers=addresses, metrics_url=metrics_server and metrics_server.url)
     if args.require_token:
         run_option = f" --run-id {config.run_id}" if args.run_id else ""
         print(f"Private run: each volunteer adds --token TOKEN, printed by\n  python coordinator/start.py issue-token"
@@ -322,6 +344,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                            config_json=config.to_json(), join_command=command,
                            coordinator_peer_id=dht.peer_id.to_base58(), started=time.time()))
     print(f"Metrics: {writer.path}; TensorBoard: {log_dir / 'tensorboard'}; checkpoints: {checkpoints.uri}", flush=True)
+    if metrics_server is not None:
+        print(f"Prometheus: {metrics_server.url}/metrics; JSON: {metrics_server.url}/api/state", flush=True)
     tensorboard = SummaryWriter(str(log_dir / "tensorboard"))
     holder = make_state_holder(dht, config, resume, device=torch.device(device))
     monitor = SwarmMonitor(dht, config, writer, tensorboard, start_epoch=holder.epoch)

@@ -291,6 +291,12 @@ class MetricsReader(_Closing):
         since = -math.inf if since is None else since
         return self._select(SwarmSnapshot, "snapshots", "WHERE time > ? ORDER BY time, rowid", (since,))
 
+    def latest_snapshot(self) -> SwarmSnapshot | None:
+        return next(iter(self._select(SwarmSnapshot, "snapshots", "ORDER BY time DESC, rowid DESC LIMIT 1")), None)
+
+    def latest_validation(self) -> ValidationRow | None:
+        return next(iter(self._select(ValidationRow, "validations", "ORDER BY time DESC, rowid DESC LIMIT 1")), None)
+
     def validations(self) -> list[ValidationRow]:
         return self._select(ValidationRow, "validations", "ORDER BY time, rowid")
 

@@ -50,8 +50,9 @@ def assert_clean_error(process: Process, code: int, message: str) -> None:
 def spawn(tmp_path):
     started: list[Process] = []
 
-    def start(name: str, *args: str, env: dict | None = None, prefix: list[str] = ()) -> Process:
-        process = Process(list(args), tmp_path / f"{name}.log", env, prefix)
+    def start(name: str, *args: str, env: dict | None = None, prefix: list[str] = (),
+              events: Path | None = None) -> Process:
+        process = Process(list(args), tmp_path / f"{name}.log", env, prefix, events=events)
         started.append(process)
         return process
 
@@ -60,10 +61,11 @@ def spawn(tmp_path):
         process.stop()
 
 
-def start_coordinator(spawn, tmp_path: Path, *extra: str, name: str = "coordinator") -> tuple[Process, list[str]]:
+def start_coordinator(spawn, tmp_path: Path, *extra: str, name: str = "coordinator",
+                      events: Path | None = None) -> tuple[Process, list[str]]:
     coordinator = spawn(name, "coordinator/start.py", "--host", "127.0.0.1", "--port", "0",
                         "--identity", str(tmp_path / f"{name}.key"), "--log-dir", str(tmp_path / name),
-                        "--refresh", "2", *extra)
+                        "--refresh", "2", *extra, events=events)
     addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
     return coordinator, addresses
 
