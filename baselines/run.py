@@ -226,7 +226,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         stats = train_data_parallel(
             config, datamodule, devices=devices, accumulate=args.accumulate, precision=precision, epochs=args.epochs,
             max_steps=args.max_steps, validate=args.val_limit != 0, pretrained_weights=args.pretrained_weights,
-            best_path=best_path, final_path=final_path, loggers=loggers, nvidia_smi_path=out_dir / "monitor" / f"{name}-nvidia-smi.csv",
+            best_path=best_path, final_path=final_path, loggers=loggers,
+            nvidia_smi_path=out_dir / "monitor" / f"{name}-nvidia-smi.csv",
         )
     else:
         datamodule.batch_size = batch_size
@@ -239,8 +240,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         BatchSearch, BatchTrial, RunRecord, cpu_name, software_versions, store_checkpoint, write_record,
     )
 
-    if stats.validation and best_path.exists():
-        best = max(stats.validation, key=lambda point: point.top1)
+    best = max(stats.validation, key=lambda point: point.top1, default=None)
+    if best is not None and best_path.exists():
         stats.best_checkpoint = store_checkpoint(
             best_path, config, best.epoch, dataclasses.asdict(best),
             args.checkpoint_store or out_dir / "checkpoints" / name, args.s3_endpoint_url,
@@ -269,7 +270,6 @@ def _run(args: argparse.Namespace, command: str) -> int:
     )
     path = write_record(record, record_dir)
     if wandb_run is not None:  # the best checkpoint by reference: its URI, not its bytes
-        best = max(stats.validation, key=lambda point: point.top1, default=None)
         wandb_run.summary.update({"best/top1": stats.best_top1, "best/epoch": best.epoch if best else None,
                                   "best/checkpoint": stats.best_checkpoint, "record": str(path)})
         wandb_run.finish()
