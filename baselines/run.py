@@ -213,8 +213,10 @@ def _run(args: argparse.Namespace, command: str) -> int:
     tb_dir = out_dir / "tensorboard" / experiment / name
     loggers = [TensorBoardLogger(out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False)]
     # One W&B run per baseline: only the run's first process opens it (Lightning starts the others with this command).
-    wandb_run = (open_wandb_run(args, out_dir, name, config.to_dict(), step_metric="trainer/global_step", report=_say)
-                 if _is_first_process() else None)
+    layout = dict(strategy=args.strategy, num_nodes=args.num_nodes, devices=devices, batch_size=batch_size,
+                  accumulate=args.accumulate, precision=precision)  # how this run trains the preset
+    wandb_run = (open_wandb_run(args, out_dir, name, dict(config.to_dict(), baseline=layout),
+                                step_metric="trainer/global_step", report=_say) if _is_first_process() else None)
     if wandb_run is not None:
         loggers.append(WandbLogger(experiment=wandb_run))
     final_path = Path(args.save_final_weights) if args.save_final_weights else None

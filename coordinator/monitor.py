@@ -159,7 +159,8 @@ class Validator:
         size = next((entry.size for entry in self.checkpoints.list() if entry.uri == uri), 0)
         self.writer.add_checkpoint(CheckpointRow(time=time.time(), epoch=row.epoch, uri=uri, size_bytes=size,
                                                  top1=row.top1, best=True))
-        for scalars in self.loggers:
+        for scalars in self.loggers:  # the last of each is the best: W&B's run summary shows them
             scalars.add_scalar("checkpoint/best_top1", row.top1, row.epoch, walltime=row.time)
+            scalars.add_scalar("checkpoint/best_epoch", row.epoch, row.epoch, walltime=row.time)
             scalars.add_text("checkpoint/best_uri", uri, row.epoch)
         self.report(f"best checkpoint: {uri}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -39,6 +40,7 @@ def open_wandb_run(args: argparse.Namespace, log_dir: Path, name: str, config: d
         logger.warning("W&B logging is off: the wandb package is missing (pip install 'hivetrain[wandb]')")
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("wandb").propagate = False  # its own log is the run folder's debug.log, not the role's console
     # silent: wandb's banner and exit summary would bury the run's own lines; the line below says where it went
     init = dict(project=args.wandb_project, entity=args.wandb_entity, name=args.wandb_run_name or name,
                 tags=args.wandb_tags, config=config, dir=str(log_dir), settings=wandb.Settings(silent=True))
@@ -51,8 +53,8 @@ def open_wandb_run(args: argparse.Namespace, log_dir: Path, name: str, config: d
         except Exception as offline_error:
             logger.warning(f"W&B logging is off: {problem}; offline: {offline_error}")
             return None
-        logger.warning(f"W&B is unreachable ({problem}): logging offline to {run.sync_dir}, which"
-                       f" `wandb sync {run.sync_dir}` uploads later")
+        logger.warning(f"W&B could not start online ({problem}): logging offline to {run.sync_dir}"
+                       f" (`wandb sync` uploads it later)")
     else:
         report(f"W&B: offline run in {run.sync_dir} (`wandb sync` uploads it)" if run.offline
                else f"W&B: {run.url}")
@@ -68,9 +70,11 @@ class WandbScalars:
 
     def __init__(self, run, step_metric: str):
         self.run, self.step_metric = run, step_metric
+        self._lock = threading.Lock()  # the monitor's loop and the validator's thread log at once; a row is one call
 
     def add_scalar(self, tag: str, value: float, step: int, walltime: Optional[float] = None) -> None:
-        self.run.log({tag: value, self.step_metric: step})  # W&B stamps its own time: walltime is when it was logged
+        with self._lock:  # W&B stamps its own time: walltime is when it was logged anyway
+            self.run.log({tag: value, self.step_metric: step})
 
     def add_text(self, tag: str, text: str, step: int) -> None:
         self.run.summary[tag] = text  # a string (the best checkpoint's URI) belongs in the run's summary

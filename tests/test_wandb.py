@@ -1,12 +1,13 @@
-"""W&B beside TensorBoard, offline as the tests run it: a baseline's run and the coordinator's monitor and validator
-land in W&B's own run file (read back here record by record), and a server that cannot be reached costs one warning
-line, not the run."""
+"""W&B beside TensorBoard, offline as the tests run it: a baseline's run, the coordinator's monitor and validator, and
+a coordinator started with --wandb-project land in W&B's own run file (read back here record by record), and a
+server that cannot be reached costs one warning line, not the run."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import re
 import struct
 import sys
 import time
@@ -17,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 from wandb.proto import wandb_internal_pb2
 
+from conftest import start_coordinator
 from coordinator.monitor import SwarmMonitor, Validator
 from hivetrain.checkpoint import LocalCheckpointStore
 from hivetrain.data import make_datamodule
@@ -25,6 +27,7 @@ from hivetrain.records import read_record
 from hivetrain.telemetry import publish_peer_record
 from hivetrain.wandb_run import WandbScalars, open_wandb_run
 from test_baselines import records_in, run
+from test_coordinator import CONFIG as RESUMED, EPOCH, _trained_checkpoint
 from test_monitor import CONFIG, FlakyHolder, _dht, _record
 
 BASELINE = ["--strategy", "single", "--preset", "demo", "--threads", "1", "--batch-size", "256", "--epochs", "1",
@@ -110,30 +113,56 @@ def test_the_coordinators_monitor_and_validator_write_tensorboard_and_wandb_alik
             validator = Validator(FlakyHolder(failures=0), make_datamodule(CONFIG, val_limit=64).val_dataloader(),
                                   writer, LocalCheckpointStore(tmp_path / "checkpoints"), every=1,
                                   swarm_epoch=lambda: monitor.latest.epoch, loggers=loggers, report=lambda line: None)
-            row = validator.tick()
+            validation = validator.tick()
     finally:
         coordinator.shutdown()
         peer.shutdown()
     for scalars in loggers:
         scalars.close()
-    assert row is not None and row.epoch == 2
+    assert validation is not None and validation.epoch == 2
     [best] = [entry for entry in LocalCheckpointStore(tmp_path / "checkpoints").list() if entry.top1 is not None]
 
     header, history, summary = read_wandb_run(Path(wandb_run.sync_dir))
     assert (header.project, header.display_name, list(header.tags)) == ("test", CONFIG.run_id, ["swarm"])
-    logged = {(tag, row_["swarm/epoch"]): row_[tag] for row_ in history for tag in row_ if "/" in tag
-              and not tag.startswith("_")}
-    assert logged[("swarm/alive_peers", 3)] == 1 and logged[("swarm/samples_per_second", 3)] == 10.0
-    assert logged[("swarm/mean_loss", 3)] == 0.5
-    assert (logged[("val/top1", 2)], logged[("val/top5", 2)], logged[("val/loss", 2)]) == (row.top1, row.top5, row.loss)
-    assert (summary["checkpoint/best_uri"], summary["checkpoint/best_top1"]) == (best.uri, row.top1)
+    # (tag, swarm epoch) -> value, W&B's own keys (_step, _runtime, ...) left out
+    logged = {(tag, row["swarm/epoch"]): value for row in history for tag, value in row.items()
+              if not tag.startswith("_") and tag != "swarm/epoch"}
+    assert {tag: value for (tag, epoch), value in logged.items() if epoch == 3} == {
+        "swarm/alive_peers": 1, "swarm/samples_per_second": 10.0, "swarm/mean_loss": 0.5}
+    assert {tag: value for (tag, epoch), value in logged.items() if epoch == 2} == {
+        "val/top1": validation.top1, "val/top5": validation.top5, "val/loss": validation.loss,
+        "checkpoint/best_top1": validation.top1, "checkpoint/best_epoch": 2}
+    assert (summary["checkpoint/best_uri"], summary["checkpoint/best_epoch"]) == (best.uri, 2)
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tensorboard = {(tag, event.step): event.value for tag in events.Tags()["scalars"] for event in events.Scalars(tag)}
-    for (tag, epoch), value in logged.items():
-        if tag != "swarm/epoch":
-            assert tensorboard[(tag, epoch)] == pytest.approx(value), tag
+    assert tensorboard == pytest.approx(logged)  # float32 there
+
+
+def test_a_coordinator_started_with_a_wandb_project_logs_validation_and_the_best_checkpoint(spawn, tmp_path,
+                                                                                            monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the coordinator's environment
+    LocalCheckpointStore(tmp_path / "saved").save(_trained_checkpoint(), best=True)
+    # Resumed, it validates the checkpoint's state at once: no peer needs to train.
+    coordinator, _ = start_coordinator(spawn, tmp_path, "--preset", "demo", "--run-id", RESUMED.run_id, "--resume",
+                                       str(tmp_path / "saved"), "--val-limit", "64", "--wandb-project", "test")
+    run_dir = Path(coordinator.wait_for(r"^W&B: offline run in (\S+) ", timeout=60).group(1))
+    assert run_dir.parent == tmp_path / "coordinator" / "wandb"
+    uri = coordinator.wait_for(r"^best checkpoint: (.+)$", timeout=90).group(1)
+    top1 = float(coordinator.wait_for(rf"^validation at swarm epoch {EPOCH}: top-1 ([\d.]+)", timeout=1).group(1))
+    coordinator.leave(timeout=60)  # SIGTERM, as Ctrl-C: the coordinator finishes its W&B run on the way out
+    assert coordinator.popen.returncode == 0, coordinator.lines[-20:]
+    # wandb's own log stays in its debug.log: the console has the coordinator's lines only
+    assert not any(re.search(r"(^|\s)wandb[:.]", line) or "Traceback" in line for line in coordinator.lines), \
+        coordinator.lines
+    header, history, summary = read_wandb_run(run_dir)
+    assert (header.project, header.display_name) == ("test", RESUMED.run_id)
+    [validation] = [row for row in history if "val/top1" in row]
+    assert (validation["swarm/epoch"], validation["val/top1"]) == (EPOCH, pytest.approx(top1, abs=5e-5))  # printed
+    assert any(row.get("swarm/alive_peers") == 0 and row["swarm/epoch"] == EPOCH for row in history)
+    assert (summary["checkpoint/best_uri"], summary["checkpoint/best_top1"], summary["checkpoint/best_epoch"]) == (
+        uri, validation["val/top1"], EPOCH)
 
 
 def test_an_unreachable_wandb_server_costs_one_warning_and_the_run_goes_on_offline(tmp_path):
@@ -143,7 +172,7 @@ def test_an_unreachable_wandb_server_costs_one_warning_and_the_run_goes_on_offli
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     output = (done.stdout + done.stderr).splitlines()
     warnings = [line for line in output if "W&B" in line]
-    assert len(warnings) == 1 and warnings[0].startswith("W&B is unreachable ("), output
+    assert len(warnings) == 1 and warnings[0].startswith("W&B could not start online ("), output
     [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
     assert f"logging offline to {run_dir}" in warnings[0]
     _, _, summary = read_wandb_run(run_dir)
