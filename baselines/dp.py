@@ -27,7 +27,8 @@ from hivetrain.records import ValidationPoint
 
 def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices: int, accumulate: int, precision: str,
                         epochs: int, max_steps: int, validate: bool, pretrained_weights: Optional[str],
-                        best_path: Path, final_path: Optional[Path], tensorboard, nvidia_smi_path: Path) -> RunStats:
+                        best_path: Path, final_path: Optional[Path], loggers: list, nvidia_smi_path: Path) -> RunStats:
+    """`loggers` are Lightning loggers (TensorBoard, W&B), written to as a Trainer would."""
     gpus = [torch.device("cuda", i) for i in range(devices)]
     model = create_model(config.model, pretrained_weights, seed=config.seed).to(gpus[0])
     parallel = torch.nn.DataParallel(model, device_ids=[g.index for g in gpus])
@@ -54,7 +55,8 @@ def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()  # per optimizer step, as in ImageClassifier
         step += 1
-        tensorboard.log_metrics({"train/loss": loss.item() * accumulate}, step=step)
+        for logger in loggers:
+            logger.log_metrics({"train/loss": loss.item() * accumulate}, step=step)
 
     for epoch in range(epochs):
         model.train()
@@ -80,7 +82,8 @@ def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices:
             point = ValidationPoint(epoch=epoch + 1, step=step, time_s=round(time.monotonic() - started, 3),
                                     loss=metrics["loss"], top1=metrics["top1"], top5=metrics["top5"])
             stats.validation.append(point)
-            tensorboard.log_metrics({"val/loss": point.loss, "val/top1": point.top1, "val/top5": point.top5}, step=step)
+            for logger in loggers:
+                logger.log_metrics({"val/loss": point.loss, "val/top1": point.top1, "val/top5": point.top5}, step=step)
             if stats.best_top1 is None or point.top1 > stats.best_top1:
                 stats.best_top1 = point.top1
                 save_weights(best_path, model, config, point.epoch)
@@ -94,5 +97,6 @@ def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices:
     stats.memory = [peak_memory(i, g) for i, g in enumerate(gpus)]
     if final_path is not None:
         save_weights(final_path, model, config, stats.epochs)
-    tensorboard.finalize("success")
+    for logger in loggers:
+        logger.finalize("success")
     return stats

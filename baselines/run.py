@@ -34,6 +34,8 @@ FOUND_BATCH_ENV = "HIVETRAIN_BASELINE_BATCH"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from hivetrain.wandb_run import add_wandb_arguments
+
     parser = argparse.ArgumentParser(
         prog="python baselines/run.py",
         description=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -101,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="also write the final weights (safetensors), gathered from all shards")
     out.add_argument("--progress-bar", choices=("auto", "on", "off"), default="auto",
                      help="auto: only when the output is a terminal")
+    add_wandb_arguments(parser)  # W&B files go under <out-dir>/wandb
     args = parser.parse_args(argv)
 
     if args.batch_size is not None and args.batch_size != "auto":
@@ -228,13 +231,22 @@ def _run(args: argparse.Namespace, command: str) -> int:
          f" batch {batch_size} {per} x accumulate {args.accumulate}, preset {config.preset}"
          f" (fingerprint {config.fingerprint})")
 
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
     from baselines.recorder import RunStats
+    from hivetrain.wandb_run import open_wandb_run
 
     started_at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     best_path = out_dir / "checkpoints" / name / "best.safetensors"
     tb_dir = out_dir / "tensorboard" / experiment / name
+    loggers = [TensorBoardLogger(out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False)]
+    # One W&B run per baseline: only the run's first process opens it (Lightning starts the others with this command).
+    layout = dict(strategy=args.strategy, num_nodes=args.num_nodes, devices=devices, batch_size=batch_size,
+                  accumulate=args.accumulate, precision=precision)  # how this run trains the preset
+    wandb_run = (open_wandb_run(args, out_dir, name, dict(config.to_dict(), baseline=layout),
+                                step_metric="trainer/global_step", report=_say) if _is_first_process() else None)
+    if wandb_run is not None:
+        loggers.append(WandbLogger(experiment=wandb_run))
     final_path = Path(args.save_final_weights) if args.save_final_weights else None
     stats: RunStats | None
     if args.strategy == "dp":
@@ -244,8 +256,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         stats = train_data_parallel(
             config, datamodule, devices=devices, accumulate=args.accumulate, precision=precision, epochs=args.epochs,
             max_steps=args.max_steps, validate=args.val_limit != 0, pretrained_weights=args.pretrained_weights,
-            best_path=best_path, final_path=final_path, tensorboard=TensorBoardLogger(
-                out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False),
+            best_path=best_path, final_path=final_path, loggers=loggers,
             nvidia_smi_path=out_dir / "monitor" / f"{name}-nvidia-smi.csv",
         )
     elif args.strategy == "pipeline":
@@ -262,8 +273,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         )
     else:
         datamodule.batch_size = batch_size
-        stats = _train_lightning(args, config, datamodule, device, devices, precision, experiment, name, out_dir,
-                                 best_path, final_path)
+        stats = _train_lightning(args, config, datamodule, device, devices, precision, name, out_dir, best_path,
+                                 final_path, loggers)
     if stats is None:  # a rank other than 0: rank 0 writes the record
         return 0
 
@@ -271,8 +282,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         BatchSearch, BatchTrial, RunRecord, cpu_name, software_versions, store_checkpoint, write_record,
     )
 
-    if stats.validation and best_path.exists():
-        best = max(stats.validation, key=lambda point: point.top1)
+    best = max(stats.validation, key=lambda point: point.top1, default=None)
+    if best is not None and best_path.exists():
         stats.best_checkpoint = store_checkpoint(
             best_path, config, best.epoch, dataclasses.asdict(best),
             args.checkpoint_store or out_dir / "checkpoints" / name, args.s3_endpoint_url,
@@ -300,11 +311,20 @@ def _run(args: argparse.Namespace, command: str) -> int:
         nvidia_smi_log=stats.nvidia_smi_log, cpu_count=os.cpu_count(),
     )
     path = write_record(record, record_dir)
+    if wandb_run is not None:  # the best checkpoint by reference: its URI, not its bytes
+        wandb_run.summary.update({"best/top1": stats.best_top1, "best/epoch": best.epoch if best else None,
+                                  "best/checkpoint": stats.best_checkpoint, "record": str(path)})
+        wandb_run.finish()
     last = record.final
     result = f"val top-1 {last.top1:.2%}, loss {last.loss:.4f}" if last else "no validation"
     print(f"{name}: {record.steps} steps, {record.train_samples} samples in {record.wall_time_s:.1f} s"
           f" ({record.samples_per_s:.1f} samples/s), {result}. Record: {path}", flush=True)
     return 0
+
+
+def _is_first_process() -> bool:
+    """Global rank 0, before Lightning knows ranks: the launch variables of Lightning, torchrun and SLURM say."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def _choose_precision(requested: str, device: str, strategy: str) -> str:
@@ -369,11 +389,10 @@ def _datamodule(args: argparse.Namespace, config, num_workers: int):
         config, data_dir, config.batch_size, args.seed, num_workers, val_limit)
 
 
-def _train_lightning(args, config, datamodule, device, devices, precision, experiment, name, out_dir, best_path,
-                     final_path):
+def _train_lightning(args, config, datamodule, device, devices, precision, name, out_dir, best_path, final_path,
+                     loggers):
     """Fit with Lightning; returns the run's stats on global rank 0 and None on the other ranks."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import TensorBoardLogger
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from baselines.recorder import RunRecorder
@@ -411,7 +430,7 @@ def _train_lightning(args, config, datamodule, device, devices, precision, exper
         limit_val_batches=0 if args.val_limit == 0 else None,
         use_distributed_sampler=not args.no_shuffle,  # --no-shuffle: the data module splits the data itself
         num_sanity_val_steps=0,
-        logger=TensorBoardLogger(out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False),
+        logger=loggers,
         log_every_n_steps=min(50, steps_per_epoch),
         enable_checkpointing=False,  # the recorder keeps the best weights as safetensors, like the swarm
         enable_progress_bar=show_bar,

@@ -1,6 +1,7 @@
 """The coordinator's watch over the swarm: who is training and how fast (SwarmMonitor), and how good the shared model
-is (Validator, which also keeps the best checkpoint). Both write to the metrics store and TensorBoard; neither ever
-stops on what a peer did or failed to do."""
+is (Validator, which also keeps the best checkpoint). Both write to the metrics store and to `loggers`: TensorBoard's
+SummaryWriter, and W&B's run behind the same calls (hivetrain.wandb_run.WandbScalars). Neither ever stops on what a
+peer did or failed to do."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import threading
 import time
 from statistics import mean
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import hivemind
 from torch.utils.data import DataLoader
@@ -23,9 +24,9 @@ logger = logging.getLogger(__name__)
 
 
 class SwarmMonitor:
-    def __init__(self, dht: hivemind.DHT, config: RunConfig, writer: MetricsWriter, tensorboard=None,
+    def __init__(self, dht: hivemind.DHT, config: RunConfig, writer: MetricsWriter, loggers: Sequence = (),
                  start_epoch: int = 0):
-        self.dht, self.config, self.writer, self.tensorboard = dht, config, writer, tensorboard
+        self.dht, self.config, self.writer, self.loggers = dht, config, writer, loggers
         self.start_epoch = start_epoch  # a resumed run starts at its checkpoint's epoch
         self.latest: Optional[SwarmSnapshot] = None
 
@@ -70,11 +71,11 @@ class SwarmMonitor:
             mean_loss=mean(losses) if losses else None,
         )
         self.writer.add_snapshot(snapshot)
-        if self.tensorboard is not None:
+        for scalars in self.loggers:
             for name in ("alive_peers", "samples_per_second", "mean_loss"):
                 value = getattr(snapshot, name)
                 if value is not None:
-                    self.tensorboard.add_scalar(f"swarm/{name}", value, snapshot.epoch, walltime=now)
+                    scalars.add_scalar(f"swarm/{name}", value, snapshot.epoch, walltime=now)
         self.latest = snapshot
         return snapshot
 
@@ -83,14 +84,15 @@ class Validator:
     """Every `every` swarm epochs: download the newest state, evaluate it, and save a checkpoint on a new best top-1.
 
     `holder` is the coordinator's StateHolder (anything with load_from_peers(), epoch, has_state, model and
-    checkpoint(metrics)); `swarm_epoch` tells where the swarm is.
+    checkpoint(metrics)); `swarm_epoch` tells where the swarm is; `loggers` are SummaryWriter-like (add_scalar,
+    add_text).
     """
 
     def __init__(self, holder, loader: DataLoader, writer: MetricsWriter, checkpoints: CheckpointStore,
-                 swarm_epoch: Callable[[], int], every: int = 1, device: str = "cpu", tensorboard=None,
+                 swarm_epoch: Callable[[], int], every: int = 1, device: str = "cpu", loggers: Sequence = (),
                  attempts: int = 3, backoff: float = 1.0, report: Callable[[str], None] = print):
         self.holder, self.loader, self.writer, self.checkpoints = holder, loader, writer, checkpoints
-        self.swarm_epoch, self.every, self.device, self.tensorboard = swarm_epoch, every, device, tensorboard
+        self.swarm_epoch, self.every, self.device, self.loggers = swarm_epoch, every, device, loggers
         self.attempts, self.backoff, self.report = attempts, backoff, report
         self.validated: Optional[int] = None  # the epoch of the last validation
         # A restarted coordinator keeps beating the best it saved before, not merely its first validation.
@@ -140,9 +142,9 @@ class Validator:
                             top5=metrics["top5"], samples=metrics["samples"])
         self.writer.add_validation(row)
         self.validated = epoch
-        if self.tensorboard is not None:
+        for scalars in self.loggers:
             for name in ("loss", "top1", "top5"):
-                self.tensorboard.add_scalar(f"val/{name}", getattr(row, name), epoch, walltime=row.time)
+                scalars.add_scalar(f"val/{name}", getattr(row, name), epoch, walltime=row.time)
         is_best = self.best_top1 is None or row.top1 > self.best_top1
         self.report(f"validation at swarm epoch {epoch}: top-1 {row.top1:.4f}, top-5 {row.top5:.4f},"
                     f" loss {row.loss:.4f}{' (best so far)' if is_best else ''}")
@@ -157,4 +159,8 @@ class Validator:
         size = next((entry.size for entry in self.checkpoints.list() if entry.uri == uri), 0)
         self.writer.add_checkpoint(CheckpointRow(time=time.time(), epoch=row.epoch, uri=uri, size_bytes=size,
                                                  top1=row.top1, best=True))
+        for scalars in self.loggers:  # the last of each is the best: W&B's run summary shows them
+            scalars.add_scalar("checkpoint/best_top1", row.top1, row.epoch, walltime=row.time)
+            scalars.add_scalar("checkpoint/best_epoch", row.epoch, row.epoch, walltime=row.time)
+            scalars.add_text("checkpoint/best_uri", uri, row.epoch)
         self.report(f"best checkpoint: {uri}")

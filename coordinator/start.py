@@ -4,8 +4,9 @@
 
 It listens on a stable address (same port and peer ID across restarts), publishes the run's configuration for
 joiners, and prints the command volunteers paste to join. Until Ctrl-C it watches the swarm (every peer's record and
-hivemind's progress, into the metrics store and TensorBoard), holds a copy of the shared state that it serves to
-joiners, validates that state every few swarm epochs, and keeps the best checkpoint (a folder, or S3).
+hivemind's progress, into the metrics store and TensorBoard, and W&B with --wandb-project), holds a copy of the
+shared state that it serves to joiners, validates that state every few swarm epochs, and keeps the best checkpoint
+(a folder, or S3).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ DEFAULT_PORT = 31337
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS, SWARM_MODES
+    from hivetrain.wandb_run import add_wandb_arguments
 
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py",
@@ -101,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            " the standard AWS chain (environment, ~/.aws, instance profile)")
     ckpt.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible server's URL (MinIO, SeaweedFS, ...)")
     ckpt.add_argument("--keep-last", type=int, default=5, help="checkpoints kept besides the best (default: %(default)s)")
+    add_wandb_arguments(parser)  # swarm metrics, validation and the best checkpoint, also to W&B
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
@@ -325,6 +328,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from hivetrain.events import EventLog
     from hivetrain.metrics_store import RunInfo
     from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, raise_if_leaving, visible_addresses
+    from hivetrain.wandb_run import WandbScalars, open_wandb_run
 
     addresses, loopback_only = visible_addresses(dht)
     command = join_command(addresses)
@@ -346,15 +350,19 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     print(f"Metrics: {writer.path}; TensorBoard: {log_dir / 'tensorboard'}; checkpoints: {checkpoints.uri}", flush=True)
     if metrics_server is not None:
         print(f"Prometheus: {metrics_server.url}/metrics; JSON: {metrics_server.url}/api/state", flush=True)
-    tensorboard = SummaryWriter(str(log_dir / "tensorboard"))
+    loggers = [SummaryWriter(str(log_dir / "tensorboard"))]
+    wandb_run = open_wandb_run(args, log_dir, config.run_id, config.to_dict(), step_metric="swarm/epoch",
+                               report=lambda line: print(line, flush=True))
+    if wandb_run is not None:
+        loggers.append(WandbScalars(wandb_run, step_metric="swarm/epoch"))
     holder = make_state_holder(dht, config, resume, device=torch.device(device))
-    monitor = SwarmMonitor(dht, config, writer, tensorboard, start_epoch=holder.epoch)
+    monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=holder.epoch)
     stop = threading.Event()
     validation = None
     if loader is not None:
         validator = Validator(holder, loader, writer, checkpoints, every=args.validate_every, device=device,
                               swarm_epoch=lambda: monitor.latest.epoch if monitor.latest else 0,
-                              tensorboard=tensorboard, report=lambda line: print(line, flush=True))
+                              loggers=loggers, report=lambda line: print(line, flush=True))
         validation = threading.Thread(target=validator.run, args=(stop,), name="validator", daemon=True)
     try:
         next_publish = next_refresh = 0.0
@@ -389,7 +397,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         if validation is not None and validation.is_alive():
             validation.join(timeout=60)  # a validation in progress finishes and saves its checkpoint
         holder.shutdown()
-        tensorboard.close()
+        for scalars in loggers:
+            scalars.close()
 
 
 if __name__ == "__main__":
