@@ -65,7 +65,7 @@ def start_coordinator(spawn, tmp_path: Path, *extra: str, name: str = "coordinat
                       events: Path | None = None) -> tuple[Process, list[str]]:
     coordinator = spawn(name, "coordinator/start.py", "--host", "127.0.0.1", "--port", "0",
                         "--identity", str(tmp_path / f"{name}.key"), "--log-dir", str(tmp_path / name),
-                        "--refresh", "2", *extra, events=events)
+                        "--refresh", "2", *extra, **({"events": events} if events is not None else {}))
     addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
     return coordinator, addresses
 
