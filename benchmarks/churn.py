@@ -15,6 +15,7 @@ Figures come from the peers' events, the coordinator's metrics store and a DHT r
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -82,27 +83,18 @@ def applied_samples(peer: Process, start: float, end: float) -> int:
     return at(end) - at(start)
 
 
+def peer_rows(store: Path) -> dict:
+    """The coordinator's row of each peer it has seen (hivetrain.metrics_store.PeerRow), by peer ID."""
+    from hivetrain.metrics_store import MetricsReader
+
+    with MetricsReader(store) as reader:
+        return {p.peer_id: p for p in reader.peers()}
+
+
 def rounds_by_peer(store: Path) -> dict[str, tuple[int, int, int]]:
-    """Each peer's outer rounds so far (averaged, alone, failed), from the coordinator's metrics store."""
-    from hivetrain.metrics_store import MetricsReader
-
-    with MetricsReader(store) as reader:
-        return {p.peer_id: (p.rounds_averaged or 0, p.rounds_alone or 0, p.rounds_failed or 0)
-                for p in reader.peers()}
-
-
-def left_at(store: Path, peer_id: str) -> float | None:
-    from hivetrain.metrics_store import MetricsReader
-
-    with MetricsReader(store) as reader:
-        return next((p.left_at for p in reader.peers() if p.peer_id == peer_id), None)
-
-
-def last_samples(store: Path, peer_id: str) -> int:
-    from hivetrain.metrics_store import MetricsReader
-
-    with MetricsReader(store) as reader:
-        return next((p.samples for p in reader.peers() if p.peer_id == peer_id), 0)
+    """Each peer's outer rounds so far (averaged, alone, failed)."""
+    return {peer_id: (p.rounds_averaged or 0, p.rounds_alone or 0, p.rounds_failed or 0)
+            for peer_id, p in peer_rows(store).items()}
 
 
 def churn_suite(work: Path, smoke: bool) -> dict:
@@ -156,7 +148,7 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             if kind == "kill":
                 victim.kill()
             else:
-                victim.popen.send_signal(15)
+                victim.popen.send_signal(signal.SIGTERM)
             joiner = new_peer(wait_for_all=False)
             training = [p for p in training if p is not victim] + [joiner]
             everyone.append(joiner)
@@ -173,11 +165,13 @@ def churn_suite(work: Path, smoke: bool) -> dict:
         for d in departures:
             victim, joiner = d["peer"], d["joiner"]
             if d["kind"] == "leave":
-                victim.leave()
+                victim.wait(timeout=60)  # signalled once already: a second SIGTERM would cut its goodbye short
             gone = watch.gone_at(d["peer_id"], d["at"])
-            marked = left_at(store, d["peer_id"])
+            row = peer_rows(store).get(d["peer_id"])
+            marked = row.left_at if row is not None else None
             left = victim.events("left")
-            computed = left[0]["samples"] if left else last_samples(store, d["peer_id"])  # killed: its last record
+            # what it trained: its goodbye says; a killed peer's last record in the store is the best there is
+            computed = left[0]["samples"] if left else row.samples if row is not None else 0
             applied = max((e["samples"] for e in victim.events("epoch")), default=0)
             try:
                 first_step = joiner.wait_for_event("first_step", timeout=60)["time"] - joiner.started
