@@ -47,6 +47,9 @@ class SwarmMonitor:
             for r in records
         ])
         self.writer.mark_left({r.peer_id for r in records}, now)  # killed or cut off: their records lapsed
+        # A leaver's last record still says how far the swarm got: peers that stop at an epoch withdraw their
+        # progress records within a second of reaching it, often before this look could read them.
+        reached = max((r.epoch for r in records), default=0)
         records = [r for r in records if not r.left]
         # What the peers really train per wall-clock second, rounds and state downloads included: each peer's record
         # counts its samples between two records over the time between them. (hivemind's progress records carry a
@@ -61,7 +64,7 @@ class SwarmMonitor:
         snapshot = SwarmSnapshot(
             time=now,
             # the run's epoch never goes back, even when every peer has left and their records expired
-            epoch=max([progress.epoch] + [r.epoch for r in records] + [self.latest.epoch if self.latest else self.start_epoch]),
+            epoch=max(progress.epoch, reached, self.latest.epoch if self.latest else self.start_epoch),
             alive_peers=len(records),
             clients=sum(r.client_mode for r in records),
             samples_per_second=samples_per_second,

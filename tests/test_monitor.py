@@ -80,9 +80,11 @@ def test_a_peer_that_says_goodbye_or_lapses_is_counted_out_and_marked_left(tmp_p
             # the same peer back (a restart with its identity): in again
             publish_peer_record(peer, CONFIG.run_id, _record("alice", 640), wait=True)
             assert look() == (1, [("alice", 640, False)])
-            # a clean leave: the last record carries the last samples and says so; counted out at the next look
-            publish_peer_record(peer, CONFIG.run_id, _record("alice", 704, left=True), wait=True)
+            # a clean leave: the last record carries the last samples and says so; counted out at the next look,
+            # and the epoch it reached on its way out (its progress record already gone) is the swarm's
+            publish_peer_record(peer, CONFIG.run_id, _record("alice", 704, epoch=7, left=True), wait=True)
             assert look() == (0, [("alice", 704, True)])
+            assert monitor.latest.epoch == 7
     finally:
         coordinator.shutdown()
         peer.shutdown()
