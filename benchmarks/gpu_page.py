@@ -36,6 +36,9 @@ def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
     if record.get("example"):
         lines += ["> **Example record, not a measurement.** This page was rendered from a hand-written example record"
                   " (a test fixture); none of its numbers were measured.", ""]
+    if not record.get("finished", True):
+        lines += ["> **Cut off.** The proof stopped before its last step (a time limit or a lost machine); the page"
+                  " shows the steps it finished, saved after each one.", ""]
     lines += [
         f"Measured by `{record['command']}` on {env['date']}, commit `{env['commit']}` ({env['host']}; {env['cpu']}).",
         f"GPUs: {gpu_text}; NVIDIA driver {env.get('driver') or 'unknown'}; {env['cuda_device_count']} visible to CUDA."
@@ -68,6 +71,11 @@ def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
     return page
 
 
+def _failure(error: str) -> str:
+    """A step's error as the page shows it: a step skipped or never reached says so; anything else failed."""
+    return error if error.startswith(("skipped", "not ")) else f"failed: {error}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return out + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -79,7 +87,7 @@ def _batch_section(record: dict) -> list[str]:
     for entry in record["precisions"]:
         search = entry["search"]
         if search.get("error"):
-            rows.append([f"`{entry['precision']}`", "–", "–", "–", "–", f"failed: {search['error']}"])
+            rows.append([f"`{entry['precision']}`", "–", "–", "–", "–", _failure(search["error"])])
             continue
         trials = search["trials"]
         best = next((t for t in trials if t["fits"] and t["batch_size"] == search["batch_size"]), None)
@@ -152,7 +160,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     rows = []
     for run in swarm["modes"]:
         if run.get("error"):
-            rows.append([run["mode"], "–", "–", "–", "–", "–", f"failed: {run['error']}"])
+            rows.append([run["mode"], "–", "–", "–", "–", "–", _failure(run["error"])])
             continue
         shares = ", ".join(f"{100 * s:.0f}%" for s in run["swarm_time_share"])
         rows.append([run["mode"], f"{run['samples_per_s']:,.0f}", fmt_seconds(run["window_s"]), str(run["epochs"]),

@@ -78,6 +78,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     runs.add_argument("--speed-seconds", type=float, default=15.0, help="length of each timed training window")
     runs.add_argument("--swarm-minutes", type=float, default=1.0, help="how long each swarm's peers train")
     runs.add_argument("--no-swarm", action="store_true", help="skip the 2-peer swarm")
+    runs.add_argument("--budget-minutes", type=float, default=9.0,
+                      help="start no step after this many minutes; the steps left are recorded as skipped (the"
+                           " record and page are written after every step, so a proof cut off keeps what it did)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("logbook"), help="where gpu.md and its plots go")
     out.add_argument("--records", type=Path, default=Path("logbook/gpu-records"),
@@ -99,8 +102,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--search-start must be at least 1")
     if not 0 < args.search_tolerance <= 1:
         parser.error("--search-tolerance must be more than 0 and at most 1")
-    if args.speed_seconds <= 0 or args.swarm_minutes <= 0:
-        parser.error("--speed-seconds and --swarm-minutes must be more than 0")
+    if args.speed_seconds <= 0 or args.swarm_minutes <= 0 or args.budget_minutes <= 0:
+        parser.error("--speed-seconds, --swarm-minutes and --budget-minutes must be more than 0")
     if len(set(args.precisions)) != len(args.precisions):
         parser.error("--precisions lists a precision twice")
     return args
@@ -118,24 +121,31 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 class Clock:
-    """Seconds since the proof started, in front of every line it prints."""
+    """Seconds since the proof started, in front of every line it prints, and the proof's time budget."""
 
-    def __init__(self):
+    def __init__(self, budget_minutes: float = float("inf")):
         self.zero = time.monotonic()
+        self.budget_minutes = budget_minutes
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.zero:5.0f} s] {message}", flush=True)
+
+    def spent(self) -> Optional[str]:
+        """Why the next step must not start (the budget is spent), or None."""
+        if time.monotonic() - self.zero < self.budget_minutes * 60:
+            return None
+        return f"skipped: the proof's {self.budget_minutes:g}-minute budget (--budget-minutes) was spent before it"
 
 
 def run_proof(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from benchmarks.gpu_monitor import write_nvidia_smi_dumps
-    from benchmarks.gpu_page import render_gpu_page
     from benchmarks.synthetic_data import DATA_ORIGIN, IMAGE_SHAPE, NUM_CLASSES
-    from hivetrain.config import get_preset
+    from hivetrain.config import SWARM_MODES, get_preset
+    from hivetrain.files import atomic_write
 
-    clock = Clock()
+    clock = Clock(args.budget_minutes)
     name = f"gpu-proof-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}"
     artifacts = args.records / name
     artifacts.mkdir(parents=True, exist_ok=True)
@@ -148,51 +158,13 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     gpu_count = torch.cuda.device_count()
     clock.say(f"{name}: {', '.join(g['name'] for g in environment['gpus']) or 'GPUs'}; {gpu_count} visible to CUDA;"
               f" torch {environment['torch']} (CUDA {environment['cuda']}); data: {DATA_ORIGIN}")
-    start_dumps = write_nvidia_smi_dumps(artifacts, "start")
-
-    precisions = []
-    start = args.search_start
-    for precision in args.precisions:
-        entry: dict = dict(precision=precision)
-        entry["search"] = search_batch(precision, start, args, artifacts, clock)
-        found = entry["search"].get("batch_size")
-        if not found:
-            entry["single"] = dict(strategy="single", error="not measured: the batch search gave no answer")
-            entry["ddp"] = None
-            precisions.append(entry)
-            continue
-        start = max(start, found)
-        entry["single"] = measure_speed(precision, found, 1, args, artifacts, clock)
-        entry["ddp"] = None
-        if gpu_count >= 2:
-            # What one GPU could run, per GPU, as long as the training split holds a batch for every GPU.
-            batch = min(entry["single"].get("batch_size", found), args.train_samples // gpu_count)
-            entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock) if batch else dict(
-                strategy="ddp", devices=gpu_count,
-                error=f"not measured: --train-samples {args.train_samples} holds no batch for each of {gpu_count} GPUs")
-        precisions.append(entry)
-    ddp_note = (f"DDP ran on all {gpu_count} GPUs (one process each, NCCL) at each precision's single-GPU batch per"
-                " GPU."
-                if gpu_count >= 2 else
-                f"DDP: not run, this machine has {gpu_count} CUDA GPU; it runs on every local GPU when there are 2 or"
-                " more.")
-
+    model = get_preset(PRESET).model
     swarm_commands = dict(
         coordinator_command=shlex.join(["python", "coordinator/start.py", *_coordinator_args()]),
         peer_command=shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS",
                                  *_peer_args(args.swarm_minutes), "--threads", "1", "--min-peers", "2", "--seed",
                                  "PEER_INDEX", "--progress-bar", "off"]),
     )
-    swarm: dict = dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, **swarm_commands, modes=[],
-                       skipped=swarm_skipped)
-    if swarm_skipped is None:
-        from hivetrain.config import SWARM_MODES
-
-        swarm["modes"] = measure_swarm_modes(list(SWARM_MODES), args.swarm_minutes, artifacts, clock)
-    else:
-        clock.say(f"swarm: not run: {swarm_skipped}")
-
-    model = get_preset(PRESET).model
     record = dict(
         kind="gpu-proof", example=False, name=name, command=command, artifacts=name, environment=environment,
         data=dict(origin=DATA_ORIGIN, image_shape=list(IMAGE_SHAPE), num_classes=NUM_CLASSES,
@@ -201,13 +173,66 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                    optimizer_preset=PRESET),
         settings=dict(search_start=args.search_start, search_tolerance=args.search_tolerance,
                       warmup_steps=args.warmup_steps, speed_seconds=args.speed_seconds,
-                      swarm_minutes=args.swarm_minutes),
-        start_dumps=start_dumps, precisions=precisions, ddp_note=ddp_note, swarm=swarm,
-        wall_time_s=round(time.monotonic() - clock.zero, 1),
+                      swarm_minutes=args.swarm_minutes, budget_minutes=args.budget_minutes),
+        start_dumps=write_nvidia_smi_dumps(artifacts, "start"), precisions=[],
+        ddp_note=(f"DDP ran on all {gpu_count} GPUs (one process each, NCCL) at each precision's single-GPU batch"
+                  " per GPU." if gpu_count >= 2 else
+                  f"DDP: not run, this machine has {gpu_count} CUDA GPU; it runs on every local GPU when there are 2"
+                  " or more."),
+        swarm=dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, **swarm_commands, modes=[],
+                   skipped=swarm_skipped or "not reached: the proof stopped before the swarm"),
+        finished=False, wall_time_s=0.0,
     )
     record_path = args.records / f"{name}.json"
-    record_path.write_text(json.dumps(record, indent=1) + "\n")
-    page = render_gpu_page(record, args.out, args.records)
+
+    def save() -> Path:
+        """The record and page as they stand: a proof cut off (a time limit, a lost machine) keeps every step done."""
+        from benchmarks.gpu_page import render_gpu_page
+
+        record["wall_time_s"] = round(time.monotonic() - clock.zero, 1)
+        atomic_write(record_path, json.dumps(record, indent=1) + "\n")
+        return render_gpu_page(record, args.out, args.records)
+
+    start = args.search_start
+    for precision in args.precisions:
+        entry: dict = dict(precision=precision, ddp=None)
+        record["precisions"].append(entry)
+        if skipped := clock.spent():
+            entry["search"] = dict(error=skipped)
+            entry["single"] = dict(strategy="single", error=skipped)
+            clock.say(f"batch search and speed, {precision}: {skipped}")
+            continue
+        entry["search"] = search_batch(precision, start, args, artifacts, clock)
+        save()
+        found = entry["search"].get("batch_size")
+        if not found:
+            entry["single"] = dict(strategy="single", error="not measured: the batch search gave no answer")
+            continue
+        start = max(start, found)
+        entry["single"] = measure_speed(precision, found, 1, args, artifacts, clock)
+        save()
+        if gpu_count >= 2:
+            # What one GPU could run, per GPU, as long as the training split holds a batch for every GPU.
+            batch = min(entry["single"].get("batch_size", found), args.train_samples // gpu_count)
+            if skipped := clock.spent():
+                entry["ddp"] = dict(strategy="ddp", devices=gpu_count, error=skipped)
+            elif not batch:
+                entry["ddp"] = dict(strategy="ddp", devices=gpu_count,
+                                    error=f"not measured: --train-samples {args.train_samples} holds no batch for each"
+                                          f" of {gpu_count} GPUs")
+            else:
+                entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock)
+            save()
+
+    if swarm_skipped is None:
+        record["swarm"]["skipped"] = None
+        for mode in SWARM_MODES:
+            record["swarm"]["modes"] += measure_swarm_modes([mode], args.swarm_minutes, artifacts, clock)
+            save()
+    else:
+        clock.say(f"swarm: not run: {swarm_skipped}")
+    record["finished"] = True
+    page = save()
     clock.say(f"wrote {page}, {record_path} and the raw files in {artifacts}/")
     return 0
 
@@ -381,6 +406,10 @@ def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock
             raise ValueError(f"swarm mode {mode!r} is not one of {', '.join(SWARM_MODES)}")
     results = []
     for mode in modes:
+        if skipped := clock.spent():
+            results.append(dict(mode=mode, error=skipped))
+            clock.say(f"swarm, {mode}: {skipped}")
+            continue
         label = f"swarm-{mode}"
         work = Path(tempfile.mkdtemp(prefix=f"hivetrain-gpu-{label}-"))
         clock.say(f"swarm, {mode}: a coordinator and 2 peers on the GPU, training {minutes:g} min")

@@ -196,3 +196,24 @@ def test_unknown_swarm_modes_are_refused_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="'async' is not one of sync, diloco"):
         gpu_proof.measure_swarm_modes(["async"], 1.0, tmp_path, gpu_proof.Clock())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spent_budget_skips_the_steps_left_and_the_page_of_a_cut_off_proof_says_so(tmp_path):
+    clock = gpu_proof.Clock(budget_minutes=0)  # spent from the start: nothing may start
+    skipped = clock.spent()
+    assert skipped.startswith("skipped:") and "--budget-minutes" in skipped
+    assert gpu_proof.Clock(budget_minutes=5).spent() is None
+    assert gpu_proof.measure_swarm_modes(["sync", "diloco"], 1.0, tmp_path, clock) == [
+        dict(mode="sync", error=skipped), dict(mode="diloco", error=skipped)]
+    assert list(tmp_path.iterdir()) == []  # no swarm started
+
+    # What run_proof saves after a step, when the proof is cut off before the rest: finished is still False.
+    record = json.loads(EXAMPLE_RECORD.read_text())
+    record["finished"] = False
+    record["precisions"][-1]["search"] = dict(error=skipped)
+    record["precisions"][-1]["single"] = dict(strategy="single", error=skipped)
+    record["swarm"]["modes"] = [dict(mode="diloco", error=skipped)]
+    text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
+    assert "**Cut off.**" in text
+    assert f"| diloco | – | – | – | – | – | {skipped} |" in text
+    assert f"– | {skipped} |" in text and f"failed: {skipped}" not in text
