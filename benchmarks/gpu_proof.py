@@ -195,7 +195,8 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
 
     start = args.search_start
     for precision in args.precisions:
-        entry: dict = dict(precision=precision, ddp=None)
+        entry: dict = dict(precision=precision, single=dict(strategy="single", error="not reached: the proof stopped"
+                                                                        " before this run"), ddp=None)
         record["precisions"].append(entry)
         if skipped := clock.spent():
             entry["search"] = dict(error=skipped)
