@@ -31,6 +31,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -120,18 +121,35 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                                   else sys.argv[1:])).rstrip())
 
 
+class ProofStopped(RuntimeError):
+    """SIGTERM reached the proof (a time limit, `timeout`, a machine given back): the step running ends here."""
+
+
 class Clock:
     """Seconds since the proof started, in front of every line it prints, and the proof's time budget."""
 
     def __init__(self, budget_minutes: float = float("inf")):
         self.zero = time.monotonic()
         self.budget_minutes = budget_minutes
+        self.stopped = False
+
+    def stop_on_sigterm(self) -> None:
+        """SIGTERM ends the step running (its processes are stopped, its logs kept) and skips the rest; the record
+        and page are saved as they stand."""
+        def stop(signum, frame):
+            if not self.stopped:
+                self.stopped = True
+                raise ProofStopped("the proof was stopped (SIGTERM) while this step ran")
+
+        signal.signal(signal.SIGTERM, stop)
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.zero:5.0f} s] {message}", flush=True)
 
     def spent(self) -> Optional[str]:
-        """Why the next step must not start (the budget is spent), or None."""
+        """Why the next step must not start (the proof was stopped, or its budget is spent), or None."""
+        if self.stopped:
+            return "skipped: the proof was stopped (SIGTERM) before it"
         if time.monotonic() - self.zero < self.budget_minutes * 60:
             return None
         return f"skipped: the proof's {self.budget_minutes:g}-minute budget (--budget-minutes) was spent before it"
@@ -146,6 +164,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     from hivetrain.files import atomic_write
 
     clock = Clock(args.budget_minutes)
+    clock.stop_on_sigterm()
     name = f"gpu-proof-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}"
     artifacts = args.records / name
     artifacts.mkdir(parents=True, exist_ok=True)
@@ -193,49 +212,52 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
         atomic_write(record_path, json.dumps(record, indent=1) + "\n")
         return render_gpu_page(record, args.out, args.records)
 
-    start = args.search_start
-    for precision in args.precisions:
-        entry: dict = dict(precision=precision, single=dict(strategy="single", error="not reached: the proof stopped"
-                                                                        " before this run"), ddp=None)
-        record["precisions"].append(entry)
-        if skipped := clock.spent():
-            entry["search"] = dict(error=skipped)
-            entry["single"] = dict(strategy="single", error=skipped)
-            clock.say(f"batch search and speed, {precision}: {skipped}")
-            continue
-        entry["search"] = search_batch(precision, start, args, artifacts, clock)
-        save()
-        found = entry["search"].get("batch_size")
-        if not found:
-            entry["single"] = dict(strategy="single", error="not measured: the batch search gave no answer")
-            continue
-        start = max(start, found)
-        entry["single"] = measure_speed(precision, found, 1, args, artifacts, clock)
-        save()
-        if gpu_count >= 2:
-            # What one GPU could run, per GPU, as long as the training split holds a batch for every GPU.
-            batch = min(entry["single"].get("batch_size", found), args.train_samples // gpu_count)
+    try:
+        start = args.search_start
+        for precision in args.precisions:
+            not_reached = dict(strategy="single", error="not reached: the proof stopped before this run")
+            entry: dict = dict(precision=precision, single=not_reached, ddp=None)
+            record["precisions"].append(entry)
             if skipped := clock.spent():
-                entry["ddp"] = dict(strategy="ddp", devices=gpu_count, error=skipped)
-            elif not batch:
-                entry["ddp"] = dict(strategy="ddp", devices=gpu_count,
-                                    error=f"not measured: --train-samples {args.train_samples} holds no batch for each"
-                                          f" of {gpu_count} GPUs")
-            else:
-                entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock)
+                entry["search"] = dict(error=skipped)
+                entry["single"] = dict(strategy="single", error=skipped)
+                clock.say(f"batch search and speed, {precision}: {skipped}")
+                continue
+            entry["search"] = search_batch(precision, start, args, artifacts, clock)
             save()
+            found = entry["search"].get("batch_size")
+            if not found:
+                entry["single"] = dict(strategy="single", error="not measured: the batch search gave no answer")
+                continue
+            start = max(start, found)
+            entry["single"] = measure_speed(precision, found, 1, args, artifacts, clock)
+            save()
+            if gpu_count >= 2:
+                # What one GPU could run, per GPU, as long as the training split holds a batch for every GPU.
+                batch = min(entry["single"].get("batch_size", found), args.train_samples // gpu_count)
+                if skipped := clock.spent():
+                    entry["ddp"] = dict(strategy="ddp", devices=gpu_count, error=skipped)
+                elif not batch:
+                    entry["ddp"] = dict(strategy="ddp", devices=gpu_count,
+                                        error=f"not measured: --train-samples {args.train_samples} holds no batch for"
+                                              f" each of {gpu_count} GPUs")
+                else:
+                    entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock)
+                save()
 
-    if swarm_skipped is None:
-        record["swarm"]["skipped"] = None
-        for mode in SWARM_MODES:
-            record["swarm"]["modes"] += measure_swarm_modes([mode], args.swarm_minutes, artifacts, clock)
-            save()
-    else:
-        clock.say(f"swarm: not run: {swarm_skipped}")
-    record["finished"] = True
+        if swarm_skipped is None:
+            record["swarm"]["skipped"] = None
+            for mode in SWARM_MODES:
+                record["swarm"]["modes"] += measure_swarm_modes([mode], args.swarm_minutes, artifacts, clock)
+                save()
+        else:
+            clock.say(f"swarm: not run: {swarm_skipped}")
+    except ProofStopped as e:  # in a batch search or speed run; a swarm records it as that mode's error
+        clock.say(str(e))
+    record["finished"] = not clock.stopped
     page = save()
     clock.say(f"wrote {page}, {record_path} and the raw files in {artifacts}/")
-    return 0
+    return 143 if clock.stopped else 0
 
 
 def describe_environment(commit: Optional[str]) -> dict:
@@ -424,15 +446,16 @@ def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock
                 coordinator, peers = run_swarm(work, label, 2, ["--mode", mode], _peer_args(minutes),
                                                timeout=minutes * 60 + 240, preset=SWARM_PRESET)
                 result.update(swarm_window(coordinator, peers))
-            except RuntimeError as e:  # a role failed or printed too little: its log, kept below, says why
+            except RuntimeError as e:  # a role failed, printed too little, or SIGTERM: its log, kept below, says why
                 result["error"] = str(e).replace(str(work), str(artifacts))
             finally:
                 dump.cancel()
-        result["logs"] = []
-        for log in sorted(work.glob(f"{label}*.log")):
-            shutil.copy(log, artifacts / log.name)
-            result["logs"].append(log.name)
-        shutil.rmtree(work, ignore_errors=True)
+                # kept even when the proof is stopped here: the roles' logs say how far the swarm got
+                result["logs"] = []
+                for log in sorted(work.glob(f"{label}*.log")):
+                    shutil.copy(log, artifacts / log.name)
+                    result["logs"].append(log.name)
+                shutil.rmtree(work, ignore_errors=True)
         result["recording"] = dict(monitor.recording, nvidia_smi_dumps=sorted(
             p.name for p in artifacts.glob(f"{label}.nvidia-smi*.txt")))
         if "error" in result:

@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,17 @@ def test_a_spent_budget_skips_the_steps_left_and_the_page_of_a_cut_off_proof_say
     assert "**Cut off.**" in text
     assert f"| diloco | – | – | – | – | – | {skipped} |" in text
     assert f"– | {skipped} |" in text and f"failed: {skipped}" not in text
+
+
+def test_sigterm_ends_the_step_running_and_skips_the_rest():
+    clock = gpu_proof.Clock()
+    previous = gpu_proof.signal.getsignal(gpu_proof.signal.SIGTERM)
+    try:
+        clock.stop_on_sigterm()
+        with pytest.raises(gpu_proof.ProofStopped, match="stopped \\(SIGTERM\\) while this step ran"):
+            os.kill(os.getpid(), gpu_proof.signal.SIGTERM)
+            time.sleep(5)  # the handler raises in this thread at once; the sleep never ends normally
+        assert clock.stopped
+        assert clock.spent() == "skipped: the proof was stopped (SIGTERM) before it"
+    finally:
+        gpu_proof.signal.signal(gpu_proof.signal.SIGTERM, previous)
