@@ -201,6 +201,7 @@ class DiLoCoRounds:
                  private_key: Optional[RSAPrivateKey] = None):
         self.parameters = list(parameters)
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
+        self.withdrawn = False  # this peer's records are withdrawn: it is leaving
         self.outer = OuterState(
             self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
             state_compression=state_compression, min_matchmaking_time=matchmaking_time,
@@ -304,10 +305,13 @@ class DiLoCoRounds:
             self.rounds_alone += 1
             logger.info(f"Outer round {round_}: alone")
 
+    def withdraw(self) -> None:
+        """Withdraw this peer's records, once: the others stop counting it at their next look."""
+        if not self.withdrawn:
+            self.withdrawn = True
+            withdraw_records(self.outer.dht, self.tracker, [self.outer])
+
     def shutdown(self) -> None:
-        """Leave: withdraw this peer's records (the others stop counting it at once), then stop."""
-        # The tracker first: its reporting thread could otherwise store a live record after the withdrawal, with a later
-        # expiration that wins (seen under load: a peer counted for 10 s after a clean leave).
-        self.tracker.shutdown()
-        withdraw_records(self.outer.dht, self.tracker, [self.outer])
+        """Leave: withdraw this peer's records (if not done at the first sign of leaving), then stop."""
+        self.withdraw()
         self.outer.shutdown()

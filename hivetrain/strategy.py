@@ -124,6 +124,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._dht_shut_down = False  # an own DHT goes at teardown; a later fit with this strategy starts a new one
         self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
+        self._withdrawn = False  # sync mode: this peer's records are withdrawn (diloco: rounds.withdrawn)
         self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
 
     # --- the swarm ----------------------------------------------------------------------------------------------
@@ -213,6 +214,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.options = dataclasses.replace(self.options, reuse_grad_buffers=True)
             self.precision_plugin.scaler = hivemind.GradScaler()
         self.optimizer = wrap_optimizer(self.options, self.dht, self.optimizers[0], schedulers[0] if schedulers else None)
+        self._withdrawn = False
         # The scheduler now steps inside hivemind, once per swarm epoch: Lightning must not step it per batch.
         self.lr_scheduler_configs = []
         self.optimizers = [self.optimizer]
@@ -247,14 +249,27 @@ class HivemindStrategy(SingleDeviceStrategy):
                 self._follow_swarm_schedule(in_optimizer_step=True)
         return output
 
+    def leave_swarm(self) -> None:
+        """Withdraw this peer's records now, once: the others stop counting it at their next look, and no longer wait
+        on it, group with it or download from it. Call it at the first sign of leaving (peers/join.py's SwarmProgress
+        does, before its goodbye record); teardown calls it too. hivemind's own goodbye does not wait for the DHT."""
+        if self.rounds is not None:
+            self.rounds.withdraw()
+        elif self.optimizer is not None and not self._withdrawn:
+            self._withdrawn = True
+            withdraw_records(self.dht, self.optimizer.tracker, [self.optimizer.state_averager])
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):  # Ctrl-C or SIGTERM: leaving
+            self.leave_swarm()
+        super().on_exception(exception)
+
     @override
     def teardown(self) -> None:
         # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
-            # the others stop counting this peer at once (hivemind's own goodbye does not wait for the DHT); its tracker
-            # stops reporting first, or a report racing the withdrawal may win with a later expiration
-            self.optimizer.tracker.shutdown()
-            withdraw_records(self.dht, self.optimizer.tracker, [self.optimizer.state_averager])
+            self.leave_swarm()
             self.optimizer.shutdown()
             self.optimizer = None
         if self.rounds is not None:
@@ -485,7 +500,14 @@ class DiLoCoDDPStrategy(DDPStrategy):
             for process in stopping:
                 process.kill()  # a rank waiting in a collective for rank 0 would not see a gentler signal
                 process.wait()
+        if isinstance(exception, KeyboardInterrupt):  # Ctrl-C or SIGTERM: leaving
+            self.leave_swarm()
         super().on_exception(exception)
+
+    def leave_swarm(self) -> None:
+        """Rank 0 withdraws this peer's records now, once (HivemindStrategy.leave_swarm); other ranks hold none."""
+        if self.rounds is not None:
+            self.rounds.withdraw()
 
     def _share_outer_state(self, changed: bool, in_optimizer_step: bool) -> bool:
         """Rank 0 tells every rank the swarm's round and whether the parameters changed to a new outer state; when

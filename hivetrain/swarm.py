@@ -41,6 +41,9 @@ DHT_READ_TIMEOUT = 10.0  # seconds a read of the DHT may take
 # 60 s and 30 s, kept a dead peer in the round target and among the state donors for up to a minute).
 RECORD_LIFETIME = 10.0
 LEAVE_TIMEOUT = 5.0  # seconds a leaving peer waits for the DHT to take its withdrawn records
+# A withdrawal outlives its records' lifetime by this much, so that it also beats a live record that the peer's own
+# tracker may store while it stops (the DHT keeps, per subkey, the value that expires last).
+WITHDRAWAL_MARGIN = 2.0
 Record = TypeVar("Record", bound=BaseModel)
 
 
@@ -261,11 +264,12 @@ def start_dht(options: DHTOptions, while_connecting: Callable[[], None] = lambda
 
 def withdraw_records(dht: hivemind.DHT, tracker: Any, averagers: list[Any], timeout: float = LEAVE_TIMEOUT) -> bool:
     """A clean leave, before the averagers and the DHT shut down: overwrite this peer's progress record and its offers
-    to share state with empty ones, and wait until the DHT has taken them. The others then stop counting this peer at
-    their next look (a round's target, a group, a state download) instead of when its records lapse. hivemind's own
-    goodbye (ProgressTracker.shutdown) stores the progress without waiting, and the DHT may be gone before it lands;
-    its averagers never withdraw their offer. Returns whether every record was withdrawn in time."""
-    expiration = get_dht_time() + RECORD_LIFETIME
+    to share state with empty ones, stop `tracker` while they travel, and wait until the DHT has taken them. The others
+    then stop counting this peer at their next look (a round's target, a group, a state download) instead of when its
+    records lapse. hivemind's own goodbye (ProgressTracker.shutdown) stores the progress without waiting, only after
+    its loops have ended, and the DHT may be gone before it lands; its averagers never withdraw their offer. Returns
+    whether every record was withdrawn in time."""
+    expiration = get_dht_time() + RECORD_LIFETIME + WITHDRAWAL_MARGIN
     stores = []
     if tracker is not None:
         stores.append(dht.store(tracker.training_progress_key, subkey=progress_subkey(tracker), value=None,
@@ -275,6 +279,8 @@ def withdraw_records(dht: hivemind.DHT, tracker: Any, averagers: list[Any], time
         stores.append(dht.store(f"{averager.prefix}.all_averagers", subkey=averager.peer_id.to_bytes(), value=None,
                                 expiration_time=expiration, return_future=True))
     deadline = time.monotonic() + timeout
+    if tracker is not None:
+        tracker.shutdown()  # waits for its loops to end: a live report stored meanwhile loses to the withdrawal
     try:
         return all([future.result(timeout=max(0.0, deadline - time.monotonic())) for future in stores])
     except Exception as e:  # the DHT already gone (a Ctrl-C that reached it too), a timeout: the records lapse instead

@@ -77,6 +77,10 @@ class SwarmProgress(pl.Callback):
 
     def _finish(self, trainer: pl.Trainer) -> None:
         self._stop_publishing.set()
+        # The others stop counting this peer first (its rounds, groups and state downloads): the goodbye below can take
+        # a while, and Lightning reaches the strategy's own hooks only after every callback's.
+        if trainer.is_global_zero:
+            trainer.strategy.leave_swarm()
         # the monitor sees every sample and second this peer contributed, and counts it out at its next look
         self._publish(trainer, wait=True, left=True)
 
