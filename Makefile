@@ -32,7 +32,7 @@ gpu-proof:
 
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh
-	$(PY) -m pytest -v
+	$(PY) -m pytest -v --durations=25
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
