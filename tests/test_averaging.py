@@ -3,13 +3,16 @@
 import threading
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
+from hivetrain.hivemind_internals import RobustAveraging
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
+from hivetrain.robust import RobustAggregation
 from hivetrain.strategy import HivemindOptions, wrap_optimizer
 from hivetrain.swarm import DHTOptions, start_dht
 
@@ -21,7 +24,10 @@ def _batch(seed: int, size: int, config):
     return images, labels
 
 
-def test_swarm_step_equals_local_step_on_union_batch():
+@pytest.mark.parametrize("robust_aggregation", ["none", "centered-clip"])
+def test_swarm_step_equals_local_step_on_union_batch(robust_aggregation):
+    """Also with centered-clip: two honest peers' gradients lie within each other's clipping radius, so the robust
+    gradient and state averagers (hivemind_internals.PatchedOptimizer) give the same step as the mean."""
     config = get_preset("demo")
     b = 16
     batches = [_batch(1, b, config), _batch(2, b, config)]
@@ -35,7 +41,8 @@ def test_swarm_step_equals_local_step_on_union_batch():
     optimizer.step()
 
     options = HivemindOptions(
-        run_id="test_union", target_batch_size=2 * b, batch_size=b, matchmaking_time=2.0, averaging_timeout=30.0
+        run_id="test_union", target_batch_size=2 * b, batch_size=b, matchmaking_time=2.0, averaging_timeout=30.0,
+        robust_aggregation=robust_aggregation,
     )
     first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     second = start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
@@ -48,6 +55,11 @@ def test_swarm_step_equals_local_step_on_union_batch():
             models.append(model)
             # two peers in one process: each signs its progress with its own key
             optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
+        expected_aggregation = RobustAggregation.for_swarm(options)
+        for opt in optimizers:
+            for averager in (opt.grad_averager, opt.state_averager):
+                assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
+                assert getattr(averager, "aggregation", None) == expected_aggregation
 
         # Each peer computes the gradients of its own batch and announces its b samples first, so that when it
         # steps, the swarm already holds 2b samples and both peers average in one round (no timing luck involved).
@@ -99,6 +111,11 @@ def test_non_finite_gradients_never_reach_the_swarm():
         for model, dht in zip(models, (first, second)):
             torch_optimizer, torch_scheduler = make_optimizer(model, config.optim)
             optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
+        expected_aggregation = RobustAggregation.for_swarm(options)
+        for opt in optimizers:
+            for averager in (opt.grad_averager, opt.state_averager):
+                assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
+                assert getattr(averager, "aggregation", None) == expected_aggregation
         healthy, sick = optimizers
 
         def closure(model, seed, poison=1.0):
