@@ -80,3 +80,27 @@ def test_each_attack_replaces_a_contribution_as_named():
     assert all(torch.equal(a, h) for a, h in zip(replay(rounds[1]), rounds[0]))  # the first round, again
     with pytest.raises(ValueError, match="unknown attack"):
         Contribution("flip")
+
+
+def test_the_sync_attack_replaces_the_gradients_a_peer_loads_for_averaging(monkeypatch):
+    from hivemind.optim.grad_averager import GradientAverager
+
+    from benchmarks.attacks import attack_sync
+    from hivetrain.swarm import DHTOptions, start_dht
+
+    # attack_sync patches hivemind's class for the whole process, as in the attacker's: undone after this test
+    monkeypatch.setattr(GradientAverager, "load_accumulators_into_averager_",
+                        GradientAverager.load_accumulators_into_averager_)
+    attack_sync(Contribution("scale:-10"))
+    dht = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    parameter = torch.nn.Parameter(torch.zeros(6))
+    parameter.grad = torch.arange(6.0)
+    averager = GradientAverager([parameter], dht=dht, prefix="attack_sync_test", start=True)
+    try:
+        averager.accumulate_grads_(batch_size=4)
+        averager.load_accumulators_into_averager_()
+        with averager.get_tensors() as [sent]:
+            assert torch.equal(sent, -10 * torch.arange(6.0))
+    finally:
+        averager.shutdown()
+        dht.shutdown()
