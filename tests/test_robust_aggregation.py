@@ -9,7 +9,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 
 from hivetrain.hivemind_internals import robust_averager_class
-from hivetrain.robust import RobustAggregation, centered_clip, trimmed_mean, trusted_copies
+from hivetrain.robust import RobustAggregation, centered_clip, sort_copies, trimmed_mean, trusted_copies
 from hivetrain.swarm import DHTOptions, start_dht
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -143,3 +143,17 @@ def test_robust_aggregation_of_honest_averagers_stays_near_their_weighted_mean(f
     honest_mean, spread = _spread(honest, torch.tensor([1.0, 1.0, 1.0, 1.0]))  # 2 is the median: all count 1
     [result, *_] = _all_reduce(four_dhts, "centered-clip", honest, weights)
     assert (result - honest_mean).norm().item() < 0.2 * spread
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7, 16, 17])
+def test_sorting_the_copies_matches_torch_sort_and_moves_the_weights_along(count):
+    generator = torch.Generator().manual_seed(count)
+    copies = torch.randint(0, 5, (count, 300), generator=generator).float()  # many ties
+    weights = torch.rand(count, generator=generator) + 0.5
+    values, value_weights = sort_copies(copies, weights)
+    assert torch.equal(values, copies.sort(dim=0).values)
+    assert torch.equal(sort_copies(copies)[0], values)
+    # each coordinate's (value, weight) pairs are the same multiset as before sorting
+    for column in range(0, 300, 37):
+        before = sorted(zip(copies[:, column].tolist(), weights.tolist()))
+        assert sorted(zip(values[:, column].tolist(), value_weights[:, column].tolist())) == before
