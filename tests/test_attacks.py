@@ -1,6 +1,6 @@
 """A malicious volunteer in a diloco run on loopback: three honest peers and one (benchmarks/attacks.py) that sends its
 pseudo-gradient x1000 in every round. Without a defence the honest peers' model is ruined; with centered-clip inside
-the all-reduce it trains as the honest peers alone would."""
+the all-reduce it keeps training (over 70% top-1 on the held-out digits after three rounds)."""
 
 import pytest
 import torch
