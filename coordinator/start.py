@@ -348,6 +348,10 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     command = join_command(addresses)
     print(f"Run {config.run_id}: preset {config.preset}, fingerprint {config.fingerprint},"
           f" peer ID {dht.peer_id.to_base58()}", flush=True)
+    if config.swarm.robust_aggregation != "none":
+        setting = (f"clip radius {config.swarm.clip_radius:g}" if config.swarm.robust_aggregation == "centered-clip"
+                   else f"trim fraction {config.swarm.trim_fraction:g}")
+        print(f"Robust aggregation: {config.swarm.robust_aggregation} ({setting}) in every all-reduce", flush=True)
     if loopback_only:
         print("Only loopback addresses exist: volunteers can join from this machine only"
               " (use --host 0.0.0.0, or --announce with your public address).", flush=True)

@@ -2,7 +2,8 @@
 SUPPORTED_HIVEMIND_VERSIONS.
 
 hivemind's public API does not reach everything a swarm of volunteers needs (hooks into how the optimizer builds its
-tracker and averagers, a peer's own progress record, the signed-record formats, its log handler). What follows uses
+tracker and averagers, a peer's own progress record, the signed-record formats, its log handler, the all-reduce's part
+reducer). What follows uses
 private names that may change in any release, so importing this module checks the installed version first and
 refuses any other: a changed private name would otherwise fail deep inside a training run, or silently do nothing.
 No other module touches hivemind's private names (tests/test_hivemind_internals.py checks).
@@ -179,11 +180,10 @@ class PatchedOptimizer(hivemind.Optimizer):
     # class inside the method. State averaging moves parameters and optimizer statistics, as open to a malicious
     # peer as the gradients.
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        averager_class = TrainingStateAverager if self.aggregation is None else robust_averager_class(
-            TrainingStateAverager)
-        if self.aggregation is not None:
-            kwargs["aggregation"] = self.aggregation
-        return averager_class(
+        if self.aggregation is None:
+            return super()._make_state_averager(**kwargs)
+        return robust_averager_class(TrainingStateAverager)(
+            aggregation=self.aggregation,
             # hivemind's prefix, spelt so that its suffix does not read as a private name to the check in
             # tests/test_hivemind_internals.py (coordinator/state.py uses the same key)
             dht=self.dht, prefix="{}_state_averager".format(self.run_id), min_matchmaking_time=self.matchmaking_time,
@@ -271,6 +271,9 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, aggregation)
 
 
+MIN_ROBUST_GROUP_SIZE = 3  # the smallest averaging group in which a robust aggregate can outvote one peer
+
+
 class RobustAveraging:
     """A mixin for a hivemind DecentralizedAverager (put it first among the bases): with `aggregation` (a
     hivetrain.robust.RobustAggregation) its all-reduce rounds reduce their parts robustly; with None, as hivemind
@@ -280,6 +283,11 @@ class RobustAveraging:
 
     def __init__(self, *args, aggregation: Any = None, **kwargs):
         self.aggregation = aggregation
+        if aggregation is not None:
+            # Between two copies no aggregate can tell the honest one: CenteredClip and the trimmed mean are both the
+            # mean there. A malicious peer that paired off with one honest peer (groups split when peers reach a round
+            # at different times) ruined it, and then outnumbered the honest copies in later groups.
+            kwargs["min_group_size"] = max(kwargs.get("min_group_size", 2), MIN_ROBUST_GROUP_SIZE)
         super().__init__(*args, **kwargs)
 
     # hivemind's DecentralizedAverager._run_allreduce_inplace_, building a RobustAllReduceRunner: hivemind names the

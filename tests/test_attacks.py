@@ -41,22 +41,25 @@ def attacked_run(request, tmp_path_factory):
         return started[-1]
 
     try:
-        _, addresses = start_coordinator(spawn, tmp, *DILOCO, "--robust-aggregation", defence)
+        coordinator, addresses = start_coordinator(spawn, tmp, *DILOCO, "--robust-aggregation", defence)
         common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1", "--min-peers", "4",
                   "--stop-at-epoch", str(STOP_AT))
         peers = {name: spawn(name, "peers/join.py", *common, "--name", name,
                              "--save-weights", str(tmp / f"{name}.safetensors")) for name in HONEST}
         peers["attacker"] = spawn("attacker", "benchmarks/attacks.py", ATTACK, *common, "--name", "attacker")
         codes = {name: peer.wait(timeout=240) for name, peer in peers.items()}
-        yield defence, tmp, peers, codes
+        yield defence, tmp, coordinator, peers, codes
     finally:
         for process in reversed(started):
             process.stop()
 
 
 def test_one_attacker_in_four(attacked_run):
-    defence, tmp, peers, codes = attacked_run
+    defence, tmp, coordinator, peers, codes = attacked_run
     assert all(code == 0 for code in codes.values()), codes
+    announced = [line for line in coordinator.lines if line.startswith("Robust aggregation: ")]
+    expected = "Robust aggregation: centered-clip (clip radius 1) in every all-reduce"
+    assert announced == ([] if defence == "none" else [expected])
     attacks = [line for line in peers["attacker"].lines if line.startswith("Attack: ")]
     assert len(attacks) >= 2, peers["attacker"].lines  # it took part: the outcome below is its doing
     top1 = {name: _top1(tmp / f"{name}.safetensors") for name in HONEST}
