@@ -24,7 +24,7 @@ DEFAULT_PORT = 31337
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS, SWARM_MODES
+    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS, ROBUST_AGGREGATIONS, SWARM_MODES
     from hivetrain.wandb_run import add_wandb_arguments
 
     parser = argparse.ArgumentParser(
@@ -69,6 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="how parameters and optimizer state travel (averaging and joiners' downloads)")
     swarm.add_argument("--average-state-every", type=int, default=None, metavar="EPOCHS",
                        help="swarm epochs between parameter and optimizer-state averaging rounds")
+    swarm.add_argument("--robust-aggregation", choices=ROBUST_AGGREGATIONS, default=None,
+                       help="how each part of an all-reduce combines the peers' copies: none (hivemind's weighted"
+                            " mean, which one malicious peer can ruin), centered-clip or trimmed-mean")
+    swarm.add_argument("--clip-radius", type=float, default=None, metavar="R",
+                       help="centered-clip: the clipping radius, in median distances of the peers' copies of a part"
+                            " from their coordinate-wise median")
+    swarm.add_argument("--trim-fraction", type=float, default=None, metavar="F",
+                       help="trimmed-mean: the share of peers' values dropped at each end of every coordinate")
     schedule = parser.add_argument_group("learning-rate schedule (published to every peer; default: the preset's)")
     schedule.add_argument("--warmup-steps", type=int, default=None, metavar="N",
                           help="optimizer steps of linear warmup: swarm epochs (sync) or a peer's inner steps (diloco)")
@@ -127,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--outer-lr must be positive")
     if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
         parser.error("--outer-momentum must be in [0, 1)")
+    if args.clip_radius is not None and not args.clip_radius > 0:
+        parser.error("--clip-radius must be positive")
+    if args.trim_fraction is not None and not 0 < args.trim_fraction < 0.5:
+        parser.error("--trim-fraction must be in (0, 0.5)")
     if args.matchmaking_time is not None and args.matchmaking_time <= 0:
         parser.error("--matchmaking-time must be positive")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -146,7 +158,9 @@ def run_config(args: argparse.Namespace):
     overrides = dict(target_batch_size=args.target_batch_size, matchmaking_time=args.matchmaking_time,
                      grad_compression=args.grad_compression, state_compression=args.state_compression,
                      average_state_every=args.average_state_every, mode=args.mode, inner_steps=args.inner_steps,
-                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+                     outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                     robust_aggregation=args.robust_aggregation, clip_radius=args.clip_radius,
+                     trim_fraction=args.trim_fraction)
     overrides = {key: value for key, value in overrides.items() if value is not None}
     if overrides.get("target_batch_size", config.batch_size) < config.batch_size:
         raise ValueError(f"--target-batch-size {args.target_batch_size} is below the run's per-step batch"
@@ -334,6 +348,10 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     command = join_command(addresses)
     print(f"Run {config.run_id}: preset {config.preset}, fingerprint {config.fingerprint},"
           f" peer ID {dht.peer_id.to_base58()}", flush=True)
+    if config.swarm.robust_aggregation != "none":
+        setting = (f"clip radius {config.swarm.clip_radius:g}" if config.swarm.robust_aggregation == "centered-clip"
+                   else f"trim fraction {config.swarm.trim_fraction:g}")
+        print(f"Robust aggregation: {config.swarm.robust_aggregation} ({setting}) in every all-reduce", flush=True)
     if loopback_only:
         print("Only loopback addresses exist: volunteers can join from this machine only"
               " (use --host 0.0.0.0, or --announce with your public address).", flush=True)

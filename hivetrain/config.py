@@ -60,6 +60,14 @@ class SwarmConfig:
     inner_steps: int = 50  # H: local steps per peer between outer rounds (diloco)
     outer_lr: float = 0.7  # the DiLoCo paper's outer learning rate and Nesterov momentum
     outer_momentum: float = 0.9
+    # How each part of an all-reduce is combined from the peers' copies of it (gradients in sync mode, outer
+    # parameters in diloco, and the state averaging of both). "none": hivemind's weighted mean, which one peer can
+    # move anywhere. "centered-clip": CenteredClip (Gorbunov et al. 2021), clipping each peer's distance from the
+    # estimate at clip_radius x the median distance of the peers' copies from their coordinate-wise median.
+    # "trimmed-mean": per coordinate, the highest and lowest trim_fraction of the peers' values are dropped.
+    robust_aggregation: str = "none"
+    clip_radius: float = 1.0
+    trim_fraction: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,13 @@ class RunConfig:
             raise ValueError("swarm.inner_steps must be at least 1")
         if self.swarm.outer_lr <= 0 or not 0 <= self.swarm.outer_momentum < 1:
             raise ValueError("need swarm.outer_lr > 0 and 0 <= swarm.outer_momentum < 1")
+        if self.swarm.robust_aggregation not in ROBUST_AGGREGATIONS:
+            raise ValueError(f"robust aggregation {self.swarm.robust_aggregation!r} is not one of"
+                             f" {', '.join(ROBUST_AGGREGATIONS)}")
+        if not self.swarm.clip_radius > 0:
+            raise ValueError("swarm.clip_radius must be positive")
+        if not 0 < self.swarm.trim_fraction < 0.5:
+            raise ValueError("swarm.trim_fraction must be in (0, 0.5)")
         if self.swarm.average_state_every < 1:
             raise ValueError("swarm.average_state_every must be at least 1")
         if self.batch_size < 1 or self.swarm.target_batch_size < self.batch_size:
@@ -133,6 +148,7 @@ DATASETS = ("digits", "fashion-mnist", "cifar10")
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 COMPRESSIONS = ("none", "fp16", "8bit")
 SWARM_MODES = ("sync", "diloco")
+ROBUST_AGGREGATIONS = ("none", "centered-clip", "trimmed-mean")
 
 PRESETS: dict[str, RunConfig] = {
     # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.

@@ -27,7 +27,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.utils.crypto import RSAPrivateKey
 
-from hivetrain.hivemind_internals import HookedProgressTracker
+from hivetrain.hivemind_internals import HookedProgressTracker, RobustAveraging
+from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import vetted
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
@@ -39,7 +40,7 @@ def outer_state_prefix(run_id: str) -> str:
     return f"{run_id}_outer"
 
 
-class OuterState(DecentralizedAverager):
+class OuterState(RobustAveraging, DecentralizedAverager):
     """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
 
     A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
@@ -198,7 +199,7 @@ class DiLoCoRounds:
                  batch_size: int, outer_lr: float, outer_momentum: float, matchmaking_time: float,
                  averaging_timeout: float, next_chunk_timeout: float, compression: CompressionBase = NoCompression(),
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
-                 private_key: Optional[RSAPrivateKey] = None):
+                 private_key: Optional[RSAPrivateKey] = None, aggregation: Optional[RobustAggregation] = None):
         self.parameters = list(parameters)
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.withdrawn = False  # this peer's records are withdrawn: it is leaving
@@ -209,7 +210,7 @@ class DiLoCoRounds:
             request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
             # step(timeout=...) bounds only the search for a group: without this cap an all-reduce whose groupmate
             # died mid-round waited forever (hivemind.Optimizer sets its averagers' cap to the averaging timeout too)
-            allreduce_timeout=averaging_timeout, declare_state_period=RECORD_LIFETIME,
+            allreduce_timeout=averaging_timeout, declare_state_period=RECORD_LIFETIME, aggregation=aggregation,
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,

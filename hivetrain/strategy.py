@@ -35,6 +35,7 @@ from typing_extensions import override
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.record_guard import VettedProgressTracker
+from hivetrain.robust import RobustAggregation
 from hivetrain.swarm import RECORD_LIFETIME, DHTOptions, keeping_sigint, start_dht, withdraw_records
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ class HivemindOptions:
     inner_steps: int = 50
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # How each all-reduce part combines the peers' copies (hivetrain.robust): "none" (hivemind's weighted mean),
+    # "centered-clip" or "trimmed-mean", in both modes.
+    robust_aggregation: str = "none"
+    clip_radius: float = 1.0
+    trim_fraction: float = 0.25
 
 
 class HivemindStrategy(SingleDeviceStrategy):
@@ -334,6 +340,7 @@ def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[t
         matchmaking_time=options.matchmaking_time, averaging_timeout=options.averaging_timeout,
         next_chunk_timeout=options.next_chunk_timeout, compression=COMPRESSION[options.grad_compression](),
         state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
+        aggregation=RobustAggregation.for_swarm(options),
     )
 
 
@@ -806,6 +813,7 @@ def _swarm_optimizer(options: HivemindOptions, dht: hivemind.DHT, make_optimizer
         tracker_opts=dict(metadata_expiration=RECORD_LIFETIME,
                           **(dict(private_key=private_key) if private_key is not None else {})),
         verbose=options.verbose,
+        aggregation=RobustAggregation.for_swarm(options),
     )
 
 

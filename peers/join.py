@@ -312,6 +312,9 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         inner_steps=swarm.inner_steps,
         outer_lr=swarm.outer_lr,
         outer_momentum=swarm.outer_momentum,
+        robust_aggregation=swarm.robust_aggregation,
+        clip_radius=swarm.clip_radius,
+        trim_fraction=swarm.trim_fraction,
         verbose=args.verbose,
     )
     if devices == 1:

@@ -3,13 +3,16 @@
 import threading
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
+from hivetrain.hivemind_internals import RobustAveraging
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
+from hivetrain.robust import RobustAggregation
 from hivetrain.strategy import HivemindOptions, wrap_optimizer
 from hivetrain.swarm import DHTOptions, start_dht
 
@@ -21,42 +24,54 @@ def _batch(seed: int, size: int, config):
     return images, labels
 
 
-def test_swarm_step_equals_local_step_on_union_batch():
+@pytest.mark.parametrize("peers, robust_aggregation", [(2, "none"), (3, "centered-clip")])
+def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
+    """Also with centered-clip (which averages in groups of three or more), its radius wide enough that no honest
+    gradient is clipped: the robust gradient and state averagers (hivemind_internals.PatchedOptimizer) then give the
+    same step as the mean."""
     config = get_preset("demo")
     b = 16
-    batches = [_batch(1, b, config), _batch(2, b, config)]
+    batches = [_batch(seed, b, config) for seed in range(1, peers + 1)]
 
     reference = create_model(config.model, seed=config.seed)
     initial = {k: v.detach().clone() for k, v in reference.named_parameters()}
     optimizer, scheduler = make_optimizer(reference, config.optim)
-    images = torch.cat([batches[0][0], batches[1][0]])
-    labels = torch.cat([batches[0][1], batches[1][1]])
+    images = torch.cat([images for images, _ in batches])
+    labels = torch.cat([labels for _, labels in batches])
     F.cross_entropy(reference(images), labels).backward()
     optimizer.step()
 
     options = HivemindOptions(
-        run_id="test_union", target_batch_size=2 * b, batch_size=b, matchmaking_time=2.0, averaging_timeout=30.0
+        run_id="test_union", target_batch_size=peers * b, batch_size=b, matchmaking_time=2.0, averaging_timeout=30.0,
+        robust_aggregation=robust_aggregation, clip_radius=100.0,
     )
     first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    second = start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
-                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    dhts = [first] + [start_dht(DHTOptions(initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                                           host_maddrs=["/ip4/127.0.0.1/tcp/0"])) for _ in range(peers - 1)]
     models, optimizers = [], []
     try:
-        for dht in (first, second):
+        for dht in dhts:
             model = create_model(config.model, seed=config.seed)
             torch_optimizer, torch_scheduler = make_optimizer(model, config.optim)
             models.append(model)
             # two peers in one process: each signs its progress with its own key
             optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
+        expected_aggregation = RobustAggregation.for_swarm(options)
+        for opt in optimizers:
+            for averager in (opt.grad_averager, opt.state_averager):
+                assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
+                assert getattr(averager, "aggregation", None) == expected_aggregation
+                # a robust averager forms no group of two, in which the robust aggregate is the plain mean
+                assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
 
         # Each peer computes the gradients of its own batch and announces its b samples first, so that when it
-        # steps, the swarm already holds 2b samples and both peers average in one round (no timing luck involved).
+        # steps, the swarm already holds all their samples and all average in one round (no timing luck involved).
         for model, opt, (x, y) in zip(models, optimizers, batches):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.tracker.report_local_progress(0, b)
         deadline = time.monotonic() + 30
-        while min(opt.tracker.global_progress.samples_accumulated for opt in optimizers) < 2 * b:
+        while min(opt.tracker.global_progress.samples_accumulated for opt in optimizers) < peers * b:
             assert time.monotonic() < deadline, "peers never saw each other's progress"
             time.sleep(0.2)
 
@@ -65,7 +80,7 @@ def test_swarm_step_equals_local_step_on_union_batch():
             thread.start()
         for thread in threads:
             thread.join(timeout=60)
-        assert [opt.local_epoch for opt in optimizers] == [1, 1]
+        assert [opt.local_epoch for opt in optimizers] == [1] * peers
 
         for model in models:
             for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
@@ -80,8 +95,8 @@ def test_swarm_step_equals_local_step_on_union_batch():
     finally:
         for opt in optimizers:
             opt.shutdown()
-        second.shutdown()
-        first.shutdown()
+        for dht in reversed(dhts):
+            dht.shutdown()
 
 
 def test_non_finite_gradients_never_reach_the_swarm():
@@ -99,6 +114,13 @@ def test_non_finite_gradients_never_reach_the_swarm():
         for model, dht in zip(models, (first, second)):
             torch_optimizer, torch_scheduler = make_optimizer(model, config.optim)
             optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
+        expected_aggregation = RobustAggregation.for_swarm(options)
+        for opt in optimizers:
+            for averager in (opt.grad_averager, opt.state_averager):
+                assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
+                assert getattr(averager, "aggregation", None) == expected_aggregation
+                # a robust averager forms no group of two, in which the robust aggregate is the plain mean
+                assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
         healthy, sick = optimizers
 
         def closure(model, seed, poison=1.0):

@@ -113,6 +113,13 @@ def test_swarm_settings_change_the_published_run_config():
     assert (scheduled.optim.warmup_steps, scheduled.optim.total_steps) == (10, 120)
     assert scheduled.optim.lr == preset.optim.lr and scheduled.swarm == preset.swarm
     assert scheduled.fingerprint != preset.fingerprint
+    robust = run_config(parse_args(["--preset", "demo", "--robust-aggregation", "centered-clip", "--clip-radius", "2"]))
+    assert (robust.swarm.robust_aggregation, robust.swarm.clip_radius) == ("centered-clip", 2.0)
+    assert robust.swarm.trim_fraction == preset.swarm.trim_fraction and robust.fingerprint != preset.fingerprint
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "demo", "--robust-aggregation", "median"])
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "demo", "--trim-fraction", "0.5"])
 
 
 def test_target_batch_below_the_step_batch_is_refused(spawn, tmp_path):

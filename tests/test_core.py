@@ -1,5 +1,6 @@
 """Run config, model factory and the strategy inside one Lightning Trainer."""
 
+import dataclasses
 import time
 
 import lightning.pytorch as pl
@@ -34,6 +35,24 @@ def test_config_rejects_bad_values():
         get_preset("nope")
     with pytest.raises(ValueError, match="not a valid RunConfig"):
         RunConfig.from_json('{"run_id": "x"}')
+    swarm = config.swarm
+    with pytest.raises(ValueError, match="robust aggregation 'median'"):
+        config.replace(swarm=dataclasses.replace(swarm, robust_aggregation="median"))
+    with pytest.raises(ValueError, match="clip_radius"):
+        config.replace(swarm=dataclasses.replace(swarm, robust_aggregation="centered-clip", clip_radius=0.0))
+    with pytest.raises(ValueError, match="trim_fraction"):
+        config.replace(swarm=dataclasses.replace(swarm, robust_aggregation="trimmed-mean", trim_fraction=0.5))
+
+
+def test_robust_aggregation_is_part_of_the_fingerprint():
+    config = get_preset("demo")
+    assert config.swarm.robust_aggregation == "none"
+    clipped = config.replace(swarm=dataclasses.replace(config.swarm, robust_aggregation="centered-clip"))
+    wider = config.replace(swarm=dataclasses.replace(clipped.swarm, clip_radius=2.0))
+    trimmed = config.replace(swarm=dataclasses.replace(config.swarm, robust_aggregation="trimmed-mean"))
+    fingerprints = {c.fingerprint for c in (config, clipped, wider, trimmed)}
+    assert len(fingerprints) == 4  # peers that would combine parts differently never share a run
+    assert RunConfig.from_json(wider.to_json()) == wider
 
 
 def test_warmup_cosine():

@@ -1,0 +1,114 @@
+"""A malicious volunteer, for tests and benchmarks only: peers/join.py whose contribution to every averaging round is
+replaced before it is sent. Never a volunteer's option: it exists to show what robust aggregation stops.
+
+    python benchmarks/attacks.py ATTACK [peers/join.py arguments]
+
+ATTACK is one of
+  scale:FACTOR  its gradients (sync) or pseudo-gradient (diloco) times FACTOR: scale:-10, scale:1000
+  noise         Gaussian noise of the same norm, tensor by tensor: as large as an honest contribution, and useless
+  replay        the contribution of its first round, sent again in every later one: stale, honest-looking values
+
+In diloco mode the pseudo-gradient g = outer - local is replaced by attack(g) before the outer step, so the outer
+parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.diloco.OuterState computes them. In sync mode
+the gradients it loads into hivemind's gradient averager are replaced. Each replaced round prints one line
+("Attack: ..."), so that a test can tell that the attacker took part.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+
+ATTACKS = ("scale:FACTOR", "noise", "replay")
+
+
+class Contribution:
+    """What the attack makes of one round's contribution (a list of tensors), and what it remembers across rounds."""
+
+    def __init__(self, spec: str, seed: int = 0):
+        self.spec, self.rounds = spec, 0
+        self.first_round: Optional[list[torch.Tensor]] = None
+        self.generator = torch.Generator().manual_seed(seed)
+        if spec.startswith("scale:"):
+            self.factor = float(spec.split(":", 1)[1])
+        elif spec not in ("noise", "replay"):
+            raise ValueError(f"unknown attack {spec!r}: choose one of {', '.join(ATTACKS)}")
+
+    def __call__(self, honest: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self.rounds += 1
+        if self.spec.startswith("scale:"):
+            return [tensor * self.factor for tensor in honest]
+        if self.spec == "noise":
+            noise = [torch.randn(tensor.shape, generator=self.generator) for tensor in honest]
+            return [n * (t.norm() / n.norm().clamp(min=1e-12)) for n, t in zip(noise, honest)]
+        if self.first_round is None:
+            self.first_round = [tensor.clone() for tensor in honest]
+        return [tensor.clone() for tensor in self.first_round]
+
+
+def _say(attack: Contribution, what: str) -> None:
+    print(f"Attack: {attack.spec} on {what} (round {attack.rounds})", flush=True)
+
+
+def attack_diloco(attack: Contribution) -> None:
+    """Replace the pseudo-gradient a diloco peer's outer step averages (hivetrain.diloco.OuterState.outer_step)."""
+    from hivetrain.diloco import OuterState
+
+    honest_outer_step = OuterState.outer_step
+
+    def attacked_outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
+                            timeout: Optional[float]):
+        if timeout is None:  # alone: nobody to harm, and the attacker's own model is not the point
+            return honest_outer_step(self, local_parameters, weight, timeout)
+        with torch.no_grad():
+            pseudo = [outer - local.detach().to("cpu", torch.float32)
+                      for outer, local in zip(self.outer_parameters, local_parameters)]
+            replaced = attack(pseudo)
+            attacked_local = [outer - g for outer, g in zip(self.outer_parameters, replaced)]
+        _say(attack, f"outer round {self.round}")
+        return honest_outer_step(self, attacked_local, weight, timeout)
+
+    OuterState.outer_step = attacked_outer_step
+
+
+def attack_sync(attack: Contribution) -> None:
+    """Replace the gradients a sync peer loads into hivemind's gradient averager before each all-reduce."""
+    from hivemind.optim.grad_averager import GradientAverager
+
+    honest_load = GradientAverager.load_accumulators_into_averager_
+
+    @torch.no_grad()
+    def attacked_load(self) -> None:
+        honest_load(self)
+        with self.get_tensors() as averaged:
+            for tensor, replaced in zip(averaged, attack([t.clone() for t in averaged])):
+                tensor.copy_(replaced)
+        _say(attack, "gradients")
+
+    GradientAverager.load_accumulators_into_averager_ = attacked_load
+
+
+def main(argv: Sequence[str], join_main: Callable[[list[str]], int]) -> int:
+    if not argv:
+        print(f"usage: python benchmarks/attacks.py {{{'|'.join(ATTACKS)}}} [peers/join.py arguments]",
+              file=sys.stderr)
+        return 2
+    try:
+        attack = Contribution(argv[0])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    attack_diloco(attack)
+    attack_sync(attack)
+    return join_main(list(argv[1:]))
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
+    from peers import join
+
+    sys.exit(main(sys.argv[1:], join.main))
