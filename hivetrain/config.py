@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,10 @@ class SwarmConfig:
     inner_steps: int = 50  # H: local steps per peer between outer rounds (diloco)
     outer_lr: float = 0.7  # the DiLoCo paper's outer learning rate and Nesterov momentum
     outer_momentum: float = 0.9
+    # G: peers average in groups of at most G (hivemind's target_group_size, the Moshpit scheme), formed anew every
+    # round, so that parameters mix across the swarm over a few rounds instead of every peer meeting every other one
+    # each round. None: one group of everyone who is averaging. Applies to every averaging round of either mode.
+    target_group_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,19 @@ class RunConfig:
             raise ValueError("need swarm.outer_lr > 0 and 0 <= swarm.outer_momentum < 1")
         if self.swarm.average_state_every < 1:
             raise ValueError("swarm.average_state_every must be at least 1")
+        if self.swarm.target_group_size is not None and self.swarm.target_group_size < 2:
+            raise ValueError("swarm.target_group_size must be at least 2 (or None: one group)")
         if self.batch_size < 1 or self.swarm.target_batch_size < self.batch_size:
             raise ValueError("need 1 <= batch_size <= swarm.target_batch_size")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        raw = dataclasses.asdict(self)
+        # Settings added after runs were recorded are left out while they hold the value that means "as before", so
+        # that the fingerprints of those runs, their checkpoints and records stay what they were.
+        for name, before in SETTINGS_ADDED_LATER["swarm"].items():
+            if raw["swarm"][name] == before:
+                del raw["swarm"][name]
+        return raw
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -133,6 +145,8 @@ DATASETS = ("digits", "fashion-mnist", "cifar10")
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 COMPRESSIONS = ("none", "fp16", "8bit")
 SWARM_MODES = ("sync", "diloco")
+# section -> setting -> the value that keeps the behaviour from before the setting existed (see RunConfig.to_dict)
+SETTINGS_ADDED_LATER: dict[str, dict[str, Any]] = {"swarm": {"target_group_size": None}}
 
 PRESETS: dict[str, RunConfig] = {
     # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.
