@@ -312,6 +312,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         inner_steps=swarm.inner_steps,
         outer_lr=swarm.outer_lr,
         outer_momentum=swarm.outer_momentum,
+        target_group_size=swarm.target_group_size,
         verbose=args.verbose,
     )
     if devices == 1:
