@@ -54,9 +54,9 @@ def group_matchmaking(target_group_size: Optional[int]) -> dict[str, Any]:
     closes its group once it holds target_group_size peers. Which peers end up together depends on who asks whom
     first, so the groups differ from round to round and parameters spread across the swarm over rounds (Moshpit).
 
-    No group bits: Moshpit's grid (initial_group_bits, which hivemind shifts after each round so that groupmates
-    move to different keys) needs about G^d peers for d bits, or peers alone in an empty key miss their round; a
-    volunteer swarm's size is not known in advance. Without bits the key stays `<prefix>.0b` for good, the one
+    No group bits: Moshpit's grid (initial_group_bits: d bits make 2^d keys, and hivemind shifts new bits in after
+    each round so that groupmates move to different keys) needs about G x 2^d peers, or a peer alone in its key
+    misses its round; a volunteer swarm's size is not known in advance. Without bits the key stays `<prefix>.0b` for good, the one
     matchmaking key per averager that hivetrain.record_guard guards."""
     return dict(target_group_size=target_group_size, initial_group_bits="")
 
