@@ -28,9 +28,8 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.hivemind_internals import HookedProgressTracker
-from hivetrain.swarm import group_matchmaking
 from hivetrain.record_guard import vetted
-from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
+from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint, withdraw_records
 
 logger = logging.getLogger(__name__)
 
