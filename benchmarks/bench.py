@@ -353,6 +353,9 @@ def communication_suite(work: Path, smoke: bool) -> dict:
 
 
 CONVERGENCE_INNER_STEPS = 8  # diloco's H on the demo preset: a round per 512 samples of 2 peers
+# The grouped row: diloco averaging in groups of at most CONVERGENCE_GROUP_SIZE (--target-group-size) among
+# CONVERGENCE_GROUPED_PEERS peers, so that each round has several groups and the parameters mix across rounds.
+CONVERGENCE_GROUPED_PEERS, CONVERGENCE_GROUP_SIZE = 4, 2
 
 
 def convergence_suite(work: Path, smoke: bool) -> dict:
@@ -390,9 +393,22 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
               timeout=900, until=lambda: validated_epoch(work / "conv-diloco" / "metrics.sqlite") >= rounds)
     with MetricsReader(work / "conv-diloco" / "metrics.sqlite") as store:
         curves["diloco"] = [(row.epoch * round_samples, row.top1) for row in store.validations()]
+    # The same in groups: more peers, each still taking H steps per round, and the schedule stretched for them, so the
+    # learning rate is again the others' at the same samples seen. The coordinator validates one peer's parameters.
+    grouped_round_samples = CONVERGENCE_INNER_STEPS * batch * CONVERGENCE_GROUPED_PEERS
+    grouped_rounds = max(1, single["train_samples"] // grouped_round_samples)
+    run_swarm(work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
+              ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--inner-steps",
+               str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
+               *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
+              timeout=900,
+              until=lambda: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
+    with MetricsReader(work / "conv-diloco-grouped" / "metrics.sqlite") as store:
+        curves["diloco-grouped"] = [(row.epoch * grouped_round_samples, row.top1) for row in store.validations()]
     for name, curve in curves.items():
         print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
     return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
+                grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
 
 
@@ -675,6 +691,9 @@ def _communication_section(result: dict, env: dict, out: Path) -> str:
     )
 
 
+CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-grouped")  # the curves validated by a coordinator, in table order
+
+
 def _convergence_section(result: dict, env: dict, out: Path) -> str:
     import matplotlib
 
@@ -685,7 +704,7 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
     figure, axes = plt.subplots(figsize=(7, 4))
     for name, curve in curves.items():
         axes.plot([samples for samples, _ in curve], [top1 for _, top1 in curve],
-                  marker="o" if name not in ("swarm", "diloco") else None, label=name)
+                  marker="o" if name not in CONVERGENCE_SWARMS else None, label=name)
     axes.set(xlabel="samples seen", ylabel="validation top-1", title=f"{result['preset']}: convergence")
     axes.grid(alpha=0.3)
     axes.legend()
@@ -698,7 +717,7 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
         seen = [top1 for count, top1 in curve if count <= samples]
         return f"{seen[-1]:.3f}" if seen else ""
 
-    swarms = [name for name in ("swarm", "diloco") if name in curves]  # records before diloco have no such curve
+    swarms = [name for name in CONVERGENCE_SWARMS if name in curves]  # older records lack the later curves
     rows = "".join(f"| {samples} | {top1:.3f} | {at(curves['DDP'], samples)} | "
                    + " | ".join(at(curves[name], samples) for name in swarms) + " |\n"
                    for samples, top1 in curves["single"])
@@ -716,6 +735,13 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                       if gap is not None else "**Not met** (diloco was not validated by then)."))
     else:
         verdict = ""
+    if "diloco-grouped" in curves:
+        grouped = result["grouped"]
+        diloco += (f" diloco-grouped: the same with {grouped['peers']} peers averaging in groups of at most"
+                   f" {grouped['target_group_size']} (`--target-group-size`), drawn anew each round, its schedule"
+                   f" stretched by target batch / ({grouped['peers']} x 32); round r is plotted at r x"
+                   f" {result['inner_steps']} x 32 x {grouped['peers']} samples, and the coordinator validates the"
+                   " parameters of the one peer it downloads them from.")
     return (
         "## convergence\n\n"
         f"{_measured_by('convergence', env)} The `{result['preset']}` preset from the same initial weights with the"

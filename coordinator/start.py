@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="sync: samples the swarm accumulates per optimizer step (one swarm epoch)")
     swarm.add_argument("--matchmaking-time", type=float, default=None, metavar="S",
                        help="seconds a peer waits for others to form an averaging group")
+    swarm.add_argument("--target-group-size", type=int, default=None, metavar="G",
+                       help="average in groups of at most G peers, formed anew every round (Moshpit), instead of one"
+                            " group of every peer; either mode (see the README on picking G)")
     swarm.add_argument("--grad-compression", choices=COMPRESSIONS, default=None,
                        help="how gradients travel when peers average them")
     swarm.add_argument("--state-compression", choices=COMPRESSIONS, default=None,
@@ -139,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--clip-radius must be positive")
     if args.trim_fraction is not None and not 0 < args.trim_fraction < 0.5:
         parser.error("--trim-fraction must be in (0, 0.5)")
+    if args.target_group_size is not None and args.target_group_size < 2:
+        parser.error("--target-group-size must be at least 2")
     if args.matchmaking_time is not None and args.matchmaking_time <= 0:
         parser.error("--matchmaking-time must be positive")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -160,7 +165,7 @@ def run_config(args: argparse.Namespace):
                      average_state_every=args.average_state_every, mode=args.mode, inner_steps=args.inner_steps,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                      robust_aggregation=args.robust_aggregation, clip_radius=args.clip_radius,
-                     trim_fraction=args.trim_fraction)
+                     trim_fraction=args.trim_fraction, target_group_size=args.target_group_size)
     overrides = {key: value for key, value in overrides.items() if value is not None}
     if overrides.get("target_batch_size", config.batch_size) < config.batch_size:
         raise ValueError(f"--target-batch-size {args.target_batch_size} is below the run's per-step batch"

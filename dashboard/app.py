@@ -89,6 +89,8 @@ def config_summary(config_json: str) -> str:
     swarm = config.swarm
     mode = (f"diloco: {swarm.inner_steps} inner steps per outer round, outer lr {swarm.outer_lr:g}, momentum"
             f" {swarm.outer_momentum:g}" if swarm.mode == "diloco" else f"sync: target batch {swarm.target_batch_size}")
+    if swarm.target_group_size is not None:
+        mode += f", averaging in groups of at most {swarm.target_group_size}"
     return (f"model {config.model.name} at {config.model.img_size} px · dataset {config.data.dataset} · {mode} · "
             f"per-step batch {config.batch_size} · lr {config.optim.lr:g}")
 

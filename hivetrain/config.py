@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,10 @@ class SwarmConfig:
     robust_aggregation: str = "none"
     clip_radius: float = 1.0
     trim_fraction: float = 0.25
+    # G: peers average in groups of at most G (hivemind's target_group_size, the Moshpit scheme), formed anew every
+    # round, so that parameters mix across the swarm over a few rounds instead of every peer meeting every other one
+    # each round. None: one group of everyone who is averaging. Applies to every averaging round of either mode.
+    target_group_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -107,11 +111,19 @@ class RunConfig:
             raise ValueError("swarm.trim_fraction must be in (0, 0.5)")
         if self.swarm.average_state_every < 1:
             raise ValueError("swarm.average_state_every must be at least 1")
+        if self.swarm.target_group_size is not None and self.swarm.target_group_size < 2:
+            raise ValueError("swarm.target_group_size must be at least 2 (or None: one group)")
         if self.batch_size < 1 or self.swarm.target_batch_size < self.batch_size:
             raise ValueError("need 1 <= batch_size <= swarm.target_batch_size")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        raw = dataclasses.asdict(self)
+        # Settings added after runs were recorded are left out while they hold the value that means "as before", so
+        # that the fingerprints of those runs, their checkpoints and records stay what they were.
+        for name, before in SETTINGS_ADDED_LATER["swarm"].items():
+            if raw["swarm"][name] == before:
+                del raw["swarm"][name]
+        return raw
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -149,6 +161,9 @@ PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 COMPRESSIONS = ("none", "fp16", "8bit")
 SWARM_MODES = ("sync", "diloco")
 ROBUST_AGGREGATIONS = ("none", "centered-clip", "trimmed-mean")
+# section -> setting -> the value that keeps the behaviour from before the setting existed (see RunConfig.to_dict)
+SETTINGS_ADDED_LATER: dict[str, dict[str, Any]] = {"swarm": {
+    "target_group_size": None, "robust_aggregation": "none", "clip_radius": 1.0, "trim_fraction": 0.25}}
 
 PRESETS: dict[str, RunConfig] = {
     # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.

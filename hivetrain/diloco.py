@@ -30,7 +30,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivetrain.hivemind_internals import HookedProgressTracker, RobustAveraging
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import vetted
-from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
+from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint, withdraw_records
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,8 @@ class DiLoCoRounds:
                  batch_size: int, outer_lr: float, outer_momentum: float, matchmaking_time: float,
                  averaging_timeout: float, next_chunk_timeout: float, compression: CompressionBase = NoCompression(),
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
-                 private_key: Optional[RSAPrivateKey] = None, aggregation: Optional[RobustAggregation] = None):
+                 private_key: Optional[RSAPrivateKey] = None, aggregation: Optional[RobustAggregation] = None,
+                 target_group_size: Optional[int] = None):
         self.parameters = list(parameters)
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.withdrawn = False  # this peer's records are withdrawn: it is leaving
@@ -211,6 +212,8 @@ class DiLoCoRounds:
             # step(timeout=...) bounds only the search for a group: without this cap an all-reduce whose groupmate
             # died mid-round waited forever (hivemind.Optimizer sets its averagers' cap to the averaging timeout too)
             allreduce_timeout=averaging_timeout, declare_state_period=RECORD_LIFETIME, aggregation=aggregation,
+            # Groups of at most G (None: everyone due in one group); see group_matchmaking for how they change
+            **group_matchmaking(target_group_size),
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,

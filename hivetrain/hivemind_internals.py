@@ -160,6 +160,8 @@ class PatchedOptimizer(hivemind.Optimizer):
     - Its averagers time matchmaking requests out well inside the matchmaking window. hivemind gives `averager_opts`
       to the state averager only, so the gradient averager kept a 3 s request timeout against a 1 s window: two peers
       that raced apart then asked each other to lead, waited, and missed every round ("could not find a group").
+      The gradient averager takes the state averager's group size cap and group bits too, for the same reason: a
+      run averaging in groups would otherwise average its gradients in one group of everyone.
     - A peer alone schedules no averaging rounds (see below).
     - `missed_round` tells whether the last step's gradient averaging round failed while one was begun.
     """
@@ -193,7 +195,8 @@ class PatchedOptimizer(hivemind.Optimizer):
             client_mode=self.client_mode, auxiliary=self.auxiliary, start=True, **kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
-        kwargs.setdefault("request_timeout", self.state_averager.matchmaking_kwargs["request_timeout"])
+        for name in ("request_timeout", "target_group_size", "initial_group_bits"):
+            kwargs.setdefault(name, self.state_averager.matchmaking_kwargs[name])
         if self.aggregation is not None:
             factory = functools.partial(robust_averager_class(factory or GradientAverager),
                                         aggregation=self.aggregation)

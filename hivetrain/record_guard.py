@@ -268,7 +268,8 @@ def run_key_rules(run_id: str) -> list[KeyRule]:
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
     # hivetrain.diloco.outer_state_prefix, not imported (a joiner imports the training stack in another thread while
     # this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two agree.
-    # Without a target group size an averager's group key has no bits: its matchmaking key is always `<prefix>.0b`.
+    # HiveTrain's averagers start without group bits (hivetrain.swarm.group_matchmaking), and hivemind adds bits only to
+    # a key that has some: with or without a group size cap, an averager's matchmaking key is always `<prefix>.0b`.
     for prefix in (f"{run_id}_grad_averager", f"{run_id}_state_averager", f"{run_id}_outer"):
         rules += [KeyRule(f"{prefix}.all_averagers", "state_sharing"), KeyRule(f"{prefix}.0b", "matchmaking")]
     return rules

@@ -36,7 +36,8 @@ from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.robust import RobustAggregation
-from hivetrain.swarm import RECORD_LIFETIME, DHTOptions, keeping_sigint, start_dht, withdraw_records
+from hivetrain.swarm import (RECORD_LIFETIME, DHTOptions, group_matchmaking, keeping_sigint, start_dht,
+                             withdraw_records)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class HivemindOptions:
     robust_aggregation: str = "none"
     clip_radius: float = 1.0
     trim_fraction: float = 0.25
+    target_group_size: Optional[int] = None  # G: average in groups of at most G peers (None: one group), either mode
 
 
 class HivemindStrategy(SingleDeviceStrategy):
@@ -341,6 +343,7 @@ def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[t
         next_chunk_timeout=options.next_chunk_timeout, compression=COMPRESSION[options.grad_compression](),
         state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
         aggregation=RobustAggregation.for_swarm(options),
+        target_group_size=options.target_group_size,
     )
 
 
@@ -809,7 +812,10 @@ def _swarm_optimizer(options: HivemindOptions, dht: hivemind.DHT, make_optimizer
         load_state_compression=COMPRESSION[options.state_compression](),
         client_mode=dht.client_mode,
         # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
-        averager_opts=dict(request_timeout=min(3.0, options.matchmaking_time / 2), declare_state_period=RECORD_LIFETIME),
+        averager_opts=dict(request_timeout=min(3.0, options.matchmaking_time / 2), declare_state_period=RECORD_LIFETIME,
+                           # groups of at most G for the state averager; PatchedOptimizer gives the gradient
+                           # averager the same (hivemind passes averager_opts to the state averager only)
+                           **group_matchmaking(options.target_group_size)),
         tracker_opts=dict(metadata_expiration=RECORD_LIFETIME,
                           **(dict(private_key=private_key) if private_key is not None else {})),
         verbose=options.verbose,

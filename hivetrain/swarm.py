@@ -44,6 +44,23 @@ LEAVE_TIMEOUT = 5.0  # seconds a leaving peer waits for the DHT to take its with
 # A withdrawal outlives its records' lifetime by this much, so that it also beats a live record that the peer's own
 # tracker may store while it stops (the DHT keeps, per subkey, the value that expires last).
 WITHDRAWAL_MARGIN = 2.0
+
+
+def group_matchmaking(target_group_size: Optional[int]) -> dict[str, Any]:
+    """hivemind averager arguments for averaging in groups of at most `target_group_size` peers (None: one group).
+
+    hivemind's matchmaking: every peer looking for a group declares itself under the averager's group key with the
+    time its search ends; each asks the peers that declared earlier ends, earliest first, to lead it, and a leader
+    closes its group once it holds target_group_size peers. Which peers end up together depends on who asks whom
+    first, so the groups differ from round to round and parameters spread across the swarm over rounds (Moshpit).
+
+    No group bits: Moshpit's grid (initial_group_bits: d bits make 2^d keys, and hivemind shifts new bits in after
+    each round so that groupmates move to different keys) needs about G x 2^d peers, or a peer alone in its key
+    misses its round; a volunteer swarm's size is not known in advance. Without bits the key stays `<prefix>.0b` for good, the one
+    matchmaking key per averager that hivetrain.record_guard guards."""
+    return dict(target_group_size=target_group_size, initial_group_bits="")
+
+
 Record = TypeVar("Record", bound=BaseModel)
 
 

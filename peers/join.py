@@ -315,6 +315,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         robust_aggregation=swarm.robust_aggregation,
         clip_radius=swarm.clip_radius,
         trim_fraction=swarm.trim_fraction,
+        target_group_size=swarm.target_group_size,
         verbose=args.verbose,
     )
     if devices == 1:

@@ -48,10 +48,12 @@ def test_communication_suite_smoke():
 def test_convergence_suite_smoke():
     result, section = smoke("convergence")
     curves = result["curves"]
-    assert set(curves) == {"single", "DDP", "swarm", "diloco"}
+    assert set(curves) == {"single", "DDP", "swarm", "diloco", "diloco-grouped"}
     for name, curve in curves.items():
         assert curve and curve[-1][1] > 0.2, name  # well above chance (0.1) after one pass over the data
-    assert "benchmarks-convergence.png" in section and "| samples seen | single | DDP | swarm | diloco |" in section
+    assert result["grouped"] == dict(peers=4, target_group_size=2)
+    assert "benchmarks-convergence.png" in section
+    assert "| samples seen | single | DDP | swarm | diloco | diloco-grouped |" in section and "groups of at most 2" in section
 
 
 def test_links_suite_smoke():

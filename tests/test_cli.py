@@ -1,5 +1,6 @@
 """Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
 
+import dataclasses
 import os
 import signal
 import time
@@ -8,7 +9,7 @@ import pytest
 
 from conftest import Process, assert_clean_error, dht_entries, record_reader, start_coordinator
 from s3server import free_ports
-from hivetrain.config import get_preset
+from hivetrain.config import RunConfig, get_preset
 from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions, fetch_run_config
 
 SOME_PEER_ID = "QmPvRCVMx1ta4Dzn6fqTNXNjong7wbDRiwKgjtUMPT4UTx"
@@ -120,6 +121,13 @@ def test_swarm_settings_change_the_published_run_config():
         parse_args(["--preset", "demo", "--robust-aggregation", "median"])
     with pytest.raises(SystemExit):
         parse_args(["--preset", "demo", "--trim-fraction", "0.5"])
+    grouped = run_config(parse_args(["--preset", "demo", "--mode", "diloco", "--target-group-size", "4"]))
+    assert grouped.swarm.target_group_size == 4 and preset.swarm.target_group_size is None
+    assert RunConfig.from_json(grouped.to_json()) == grouped  # what the coordinator publishes carries G
+    ungrouped = grouped.replace(swarm=dataclasses.replace(grouped.swarm, target_group_size=None))
+    assert grouped.fingerprint != ungrouped.fingerprint  # peers of a grouped and an ungrouped run never mix
+    # a run without groups keeps the fingerprint it had before the setting existed (its checkpoints still resume)
+    assert "target_group_size" not in ungrouped.to_json()
 
 
 def test_target_batch_below_the_step_batch_is_refused(spawn, tmp_path):

@@ -131,7 +131,8 @@ def test_running_swarm(monkeypatch, tmp_path):
 def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tmp_path):
     store = tmp_path / "metrics.sqlite"
     config = get_preset("demo")
-    config = config.replace(swarm=dataclasses.replace(config.swarm, mode="diloco", inner_steps=20))
+    config = config.replace(swarm=dataclasses.replace(config.swarm, mode="diloco", inner_steps=20,
+                                                      target_group_size=4))
     fast, slow = peer("alpha", 900, 3), peer("bravo", 300, 4)
     fast.inner_steps, fast.pseudo_gradient_norm, fast.round_bytes = 23, 0.4172, 4_000_000
     slow.inner_steps, slow.pseudo_gradient_norm, slow.round_bytes = 7, 0.3001, 4_000_000
@@ -141,7 +142,8 @@ def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tm
     at = run_app(monkeypatch, store, tmp_path)
 
     assert metric(at, "Outer round") == "4"
-    assert "diloco: 20 inner steps per outer round, outer lr 0.7, momentum 0.9" in at.caption[0].value
+    assert ("diloco: 20 inner steps per outer round, outer lr 0.7, momentum 0.9, averaging in groups of at most 4"
+            in at.caption[0].value)
     table = at.dataframe[0].value
     assert list(table.columns) == app.PEER_COLUMNS + app.DILOCO_COLUMNS
     assert dict(zip(table["name"], table["inner steps"])) == {"alpha": 23, "bravo": 7}
