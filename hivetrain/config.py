@@ -113,6 +113,11 @@ class RunConfig:
             raise ValueError("swarm.average_state_every must be at least 1")
         if self.swarm.target_group_size is not None and self.swarm.target_group_size < 2:
             raise ValueError("swarm.target_group_size must be at least 2 (or None: one group)")
+        if (self.swarm.robust_aggregation != "none" and self.swarm.target_group_size is not None
+                and self.swarm.target_group_size < 3):
+            # robust averagers form groups of 3 or more (hivemind_internals.MIN_ROBUST_GROUP_SIZE): in a pair, the
+            # robust estimate is the mean, and one attacker would own its partner
+            raise ValueError("swarm.target_group_size must be at least 3 with robust aggregation")
         if self.batch_size < 1 or self.swarm.target_batch_size < self.batch_size:
             raise ValueError("need 1 <= batch_size <= swarm.target_batch_size")
 
