@@ -25,6 +25,17 @@ def _batch(seed: int, size: int, config):
 
 
 @pytest.mark.parametrize("peers, robust_aggregation", [(2, "none"), (3, "centered-clip")])
+
+def _assert_averagers_follow(options, optimizers) -> None:
+    """Both averagers of every optimizer aggregate as the run's configuration says."""
+    expected_aggregation = RobustAggregation.for_swarm(options)
+    for opt in optimizers:
+        for averager in (opt.grad_averager, opt.state_averager):
+            assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
+            assert getattr(averager, "aggregation", None) == expected_aggregation
+            # a robust averager forms no group of two, in which the robust aggregate is the plain mean
+            assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
+
 def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
     """Also with centered-clip (which averages in groups of three or more), its radius wide enough that no honest
     gradient is clipped: the robust gradient and state averagers (hivemind_internals.PatchedOptimizer) then give the
@@ -56,13 +67,7 @@ def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
             models.append(model)
             # two peers in one process: each signs its progress with its own key
             optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
-        expected_aggregation = RobustAggregation.for_swarm(options)
-        for opt in optimizers:
-            for averager in (opt.grad_averager, opt.state_averager):
-                assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
-                assert getattr(averager, "aggregation", None) == expected_aggregation
-                # a robust averager forms no group of two, in which the robust aggregate is the plain mean
-                assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
+        _assert_averagers_follow(options, optimizers)
 
         # Each peer computes the gradients of its own batch and announces its b samples first, so that when it
         # steps, the swarm already holds all their samples and all average in one round (no timing luck involved).
@@ -114,13 +119,7 @@ def test_non_finite_gradients_never_reach_the_swarm():
         for model, dht in zip(models, (first, second)):
             torch_optimizer, torch_scheduler = make_optimizer(model, config.optim)
             optimizers.append(wrap_optimizer(options, dht, torch_optimizer, torch_scheduler, RSAPrivateKey()))
-        expected_aggregation = RobustAggregation.for_swarm(options)
-        for opt in optimizers:
-            for averager in (opt.grad_averager, opt.state_averager):
-                assert isinstance(averager, RobustAveraging) == (expected_aggregation is not None)
-                assert getattr(averager, "aggregation", None) == expected_aggregation
-                # a robust averager forms no group of two, in which the robust aggregate is the plain mean
-                assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
+        _assert_averagers_follow(options, optimizers)
         healthy, sick = optimizers
 
         def closure(model, seed, poison=1.0):
