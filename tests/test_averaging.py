@@ -24,8 +24,6 @@ def _batch(seed: int, size: int, config):
     return images, labels
 
 
-@pytest.mark.parametrize("peers, robust_aggregation", [(2, "none"), (3, "centered-clip")])
-
 def _assert_averagers_follow(options, optimizers) -> None:
     """Both averagers of every optimizer aggregate as the run's configuration says."""
     expected_aggregation = RobustAggregation.for_swarm(options)
@@ -36,6 +34,8 @@ def _assert_averagers_follow(options, optimizers) -> None:
             # a robust averager forms no group of two, in which the robust aggregate is the plain mean
             assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
 
+
+@pytest.mark.parametrize("peers, robust_aggregation", [(2, "none"), (3, "centered-clip")])
 def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
     """Also with centered-clip (which averages in groups of three or more), its radius wide enough that no honest
     gradient is clipped: the robust gradient and state averagers (hivemind_internals.PatchedOptimizer) then give the
