@@ -126,8 +126,14 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._owns_dht = dht is None
         self._network = network or DHTOptions()
         self.dht = dht if dht is not None else start_dht(self._network)
-        # after the DHT's process has forked: asking for the current CUDA device initialises CUDA in this process
-        super().__init__(device=device if device is not None else _default_device())
+        # after the DHT's process has forked: asking for the current CUDA device initialises CUDA in this process.
+        # A "cuda" without an index means the current one: Lightning's CUDA accelerator calls torch.cuda.set_device,
+        # which refuses a device without an index (seen on an H200 with peers/join.py --device cuda).
+        if device is None:
+            device = _default_device()
+        elif device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device=device)
         self.options = options
         self._dht_shut_down = False  # an own DHT goes at teardown; a later fit with this strategy starts a new one
         self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode

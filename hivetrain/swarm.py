@@ -56,8 +56,8 @@ def group_matchmaking(target_group_size: Optional[int]) -> dict[str, Any]:
 
     No group bits: Moshpit's grid (initial_group_bits: d bits make 2^d keys, and hivemind shifts new bits in after
     each round so that groupmates move to different keys) needs about G x 2^d peers, or a peer alone in its key
-    misses its round; a volunteer swarm's size is not known in advance. Without bits the key stays `<prefix>.0b` for good, the one
-    matchmaking key per averager that hivetrain.record_guard guards."""
+    misses its round; a volunteer swarm's size is not known in advance. Without bits the key stays `<prefix>.0b` for
+    good, the one matchmaking key per averager that hivetrain.record_guard guards."""
     return dict(target_group_size=target_group_size, initial_group_bits="")
 
 

@@ -319,9 +319,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         verbose=args.verbose,
     )
     if devices == 1:
-        # Lightning's CUDA accelerator calls torch.cuda.set_device, which refuses a "cuda" without an index.
-        strategy = HivemindStrategy(options, dht=dht, device=torch.device("cuda", 0) if device == "cuda"
-                                    else torch.device(device))
+        strategy = HivemindStrategy(options, dht=dht, device=torch.device(device))
     else:
         strategy = DiLoCoDDPStrategy(options, dht=dht, data_seed=data_seed)
         if speaks:  # the ranks Lightning launches inherit this process's environment
