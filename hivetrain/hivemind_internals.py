@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from typing import Any, Optional, Sequence
 
 import hivemind
+import hivemind.averaging.averager
+import hivemind.dht.dht
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
@@ -67,6 +70,38 @@ def ask_cuda_availability_once() -> None:
     core. Availability does not change while a process runs: this replaces hivemind's check with one that asks once.
     Call it before the DHT and averagers fork."""
     hivemind.utils.tensor_descr._safe_check_pinned = _check_pinned_once
+
+
+# --- command pipes -----------------------------------------------------------------------------------------------
+
+class _LoopKeepingPipesBlocking:
+    """An event loop whose add_reader leaves the file descriptor blocking. hivemind's DHT and averager processes take
+    their commands from a multiprocessing pipe the loop watches (loop.add_reader), and uvloop makes a watched
+    descriptor non-blocking. multiprocessing sends a message over 16 KiB in two writes, so a recv() that runs between
+    them (a store of large records on a loaded machine) reads half a message and fails with EAGAIN, the next recv()
+    reads the rest as garbage, and the DHT process dies with EOFError: every later call on the DHT then hangs or fails.
+    The loop only needs readiness from the descriptor; recv() after poll() waits the microseconds to the second write.
+    """
+
+    def __init__(self, loop):
+        self._loop = loop
+
+    def __getattr__(self, name: str):
+        return getattr(self._loop, name)
+
+    def add_reader(self, fd, callback, *args) -> None:
+        self._loop.add_reader(fd, callback, *args)
+        os.set_blocking(fd, True)
+
+
+def _switch_to_uvloop_keeping_pipes_blocking():
+    return _LoopKeepingPipesBlocking(hivemind.utils.switch_to_uvloop())
+
+
+# DHT.run and DecentralizedAverager.run call switch_to_uvloop by the name they imported: replacing it there applies to
+# every DHT and averager this process (or a process it forks) starts, hivemind's own classes included.
+hivemind.dht.dht.switch_to_uvloop = _switch_to_uvloop_keeping_pipes_blocking
+hivemind.averaging.averager.switch_to_uvloop = _switch_to_uvloop_keeping_pipes_blocking
 
 
 # --- progress records ---------------------------------------------------------------------------------------------

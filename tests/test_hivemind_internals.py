@@ -2,6 +2,7 @@
 written for."""
 
 import ast
+import os
 from pathlib import Path
 
 import hivemind
@@ -70,3 +71,18 @@ def test_no_module_but_hivemind_internals_touches_hivemind_privates():
             used = _private_names_used(ast.parse(path.read_text())) & hivemind_privates
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in sorted(used)]
     assert offenders == [], "hivemind privates outside hivetrain/hivemind_internals.py"
+
+
+def test_a_dht_survives_many_large_stores_at_once():
+    """Stores over 16 KiB travel to the DHT process in two writes; its command pipe must stay blocking so that a read
+    between them waits for the rest instead of failing and killing the DHT."""
+    dht = hivemind.DHT(start=True)
+    try:
+        flags = Path(f"/proc/{dht.pid}/fdinfo/{dht._inner_pipe.fileno()}").read_text().split("\n")[1]
+        assert not int(flags.split()[1], 8) & os.O_NONBLOCK
+        value, expiration = b"x" * 60_000, hivemind.utils.get_dht_time() + 60
+        stores = [dht.store(f"key{i}", value + bytes([i % 256]), expiration, return_future=True) for i in range(300)]
+        assert all(store.result(timeout=60) for store in stores)
+        assert dht.is_alive() and dht.get("key299", latest=True).value == value + bytes([299 % 256])
+    finally:
+        dht.shutdown()
