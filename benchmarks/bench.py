@@ -259,10 +259,11 @@ def links_suite(work: Path, smoke: bool) -> dict:
     unavailable = LinkedNamespaces.unavailable()
     if unavailable:
         raise RuntimeError(f"the links suite needs network namespaces: {unavailable}")
-    batch, seconds = 32, 45 if smoke else LINK_SWARM_SECONDS
+    batch, seconds = 32, 30 if smoke else LINK_SWARM_SECONDS
     inner_steps = 4 if smoke else LINK_INNER_STEPS
     results = []
-    for rate in LINK_RATES_MBIT[-1:] if smoke else LINK_RATES_MBIT:
+    # A smoke run shapes the link to 100 Mbit/s: at 20 DDP's steps and the joiners' state downloads alone took minutes
+    for rate in LINK_RATES_MBIT[1:2] if smoke else LINK_RATES_MBIT:
         network = LinkedNamespaces(81).create()
         try:
             network.limit(rate)
