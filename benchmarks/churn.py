@@ -25,8 +25,9 @@ from benchmarks.harness import Process, start_coordinator, start_peer
 PEERS = 4
 INNER_STEPS = 8  # a round every 10-20 s here: a departure costs at most that much of one peer's work
 STEADY_S, CHURN_S = 120.0, 300.0  # smoke: SMOKE_STEADY_S, SMOKE_CHURN_S
-SMOKE_STEADY_S, SMOKE_CHURN_S = 40.0, 45.0
+SMOKE_STEADY_S, SMOKE_CHURN_S = 25.0, 20.0
 GAP_S = (20.0, 40.0)  # seconds between two churn events, uniformly: one every 30 s on average
+SMOKE_GAP_S = (5.0, 10.0)  # a smoke run's first event comes early: the run is over soon after it
 SEED = 15
 POLL_S = 0.25  # how often the DHT reader looks at the progress records
 
@@ -101,7 +102,7 @@ def churn_suite(work: Path, smoke: bool) -> dict:
     from benchmarks.bench import MONITOR_ONLY
     from hivetrain.config import diloco_schedule_flags, get_preset
 
-    steady_s, churn_s = (SMOKE_STEADY_S, SMOKE_CHURN_S) if smoke else (STEADY_S, CHURN_S)
+    steady_s, churn_s, gap_s = (SMOKE_STEADY_S, SMOKE_CHURN_S, SMOKE_GAP_S) if smoke else (STEADY_S, CHURN_S, GAP_S)
     rng = random.Random(SEED)
     config = get_preset("demo")
     store = work / "churn" / "metrics.sqlite"
@@ -138,7 +139,7 @@ def churn_suite(work: Path, smoke: bool) -> dict:
         print(f"steady: {steady_rate:.1f} samples/s over {churn_from - steady_from:.0f} s", flush=True)
 
         departures, everyone = [], list(training)
-        next_at = churn_from + rng.uniform(*GAP_S)
+        next_at = churn_from + rng.uniform(*gap_s)
         while next_at < churn_from + churn_s:
             time.sleep(max(0.0, next_at - time.time()))
             victim = rng.choice(training)
@@ -154,7 +155,7 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             everyone.append(joiner)
             departures.append(dict(kind=kind, peer=victim, peer_id=peer_id, at=at, joiner=joiner))
             print(f"{time.time() - churn_from:.0f} s: {kind} {victim.log.stem}, {joiner.log.stem} joins", flush=True)
-            next_at += rng.uniform(*GAP_S)
+            next_at += rng.uniform(*gap_s)
         time.sleep(max(0.0, churn_from + churn_s - time.time()))
         churn_to = time.time()
         rounds_end = rounds_by_peer(store)
