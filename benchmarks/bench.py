@@ -8,7 +8,9 @@ Suites here: join (time from `peers/join.py` start to the swarm's state loaded, 
 throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
 and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
-top-1 against samples seen for single, DDP and the swarm); scale (the coordinator's cost with 2 to 16 peers).
+top-1 against samples seen for single, DDP and the swarm); scale (the coordinator's cost with 2 to 16 peers); churn
+(peers leaving and joining); monitor (the coordinator's look); attacks (one malicious peer in four under each
+defence, in logbook/reliability.md).
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
 its Markdown section, registered in SUITES.
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks.churn import churn_section, churn_suite
+from benchmarks.defences import attacks_section, attacks_suite
 from benchmarks.harness import ROOT, Process, reached_epoch, run_baseline, start_coordinator, start_peer
 from benchmarks.monitor import monitor_section, monitor_suite
 
@@ -805,19 +808,30 @@ SUITES = {
     "scale": (scale_suite, _scale_section),
     "churn": (churn_suite, churn_section),
     "monitor": (monitor_suite, monitor_section),
+    "attacks": (attacks_suite, attacks_section),
 }
 
 
+def page_of(suite: str) -> Path:
+    """The logbook page a suite's section lands in: the attacks suite's beside the faults (tests/test_faults.py writes
+    the rest of that page), every other suite's in logbook/benchmarks.md."""
+    return PAGE.parent / "reliability.md" if suite == "attacks" else PAGE
+
+
 def write_section(name: str, section: str) -> None:
-    """Replace suite `name`'s section of logbook/benchmarks.md (each section says which commit measured it)."""
+    """Replace suite `name`'s section of its page (each section says which commit measured it); what comes before the
+    first section stays as it is."""
+    page = page_of(name)
     header = ("# Benchmarks\n\nEach section is written by `python -m benchmarks.bench SUITE` and says which commit,"
               " machine and versions measured it.\n\n")
     sections = {}
-    if PAGE.exists():
-        for part in re.split(r"(?m)^(?=## )", PAGE.read_text())[1:]:
+    if page.exists():
+        header, *parts = re.split(r"(?m)^(?=## )", page.read_text())
+        header = header.rstrip("\n") + "\n\n"
+        for part in parts:
             sections[part.split("\n", 1)[0][3:].strip()] = part.rstrip("\n") + "\n\n"
     sections[name] = section.rstrip("\n") + "\n\n"
-    PAGE.write_text(header + "".join(sections[key] for key in sorted(sections)).rstrip("\n") + "\n")
+    page.write_text(header + "".join(sections[key] for key in sorted(sections)).rstrip("\n") + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -840,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     record = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
     record.write_text(json.dumps(dict(suite=args.suite, environment=env, result=result), indent=1) + "\n")
     write_section(args.suite, section(result, env, PAGE.parent))
-    print(f"Wrote {PAGE.relative_to(ROOT)} ({args.suite}) and {record.relative_to(ROOT)}")
+    print(f"Wrote {page_of(args.suite).relative_to(ROOT)} ({args.suite}) and {record.relative_to(ROOT)}")
     return 0
 
 

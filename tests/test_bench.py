@@ -85,6 +85,12 @@ def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
     page = (tmp_path / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks") and "second" in page and "first" not in page and "S\n" in page
     assert page.index("## join") < page.index("## scale")
+    # the attacks suite's section goes under the faults tests/test_faults.py wrote, which stay as they were
+    (tmp_path / "reliability.md").write_text("# Reliability\n\n| fault |\n")
+    bench.write_section("attacks", "## attacks\n\nA\n")
+    bench.write_section("attacks", "## attacks\n\nB\n")
+    assert (tmp_path / "reliability.md").read_text() == "# Reliability\n\n| fault |\n\n## attacks\n\nB\n"
+    assert "attacks" not in (tmp_path / "benchmarks.md").read_text()
 
 
 def test_monitor_suite_smoke():
@@ -104,3 +110,14 @@ def test_churn_suite_smoke():
     assert event["kind"] in ("leave", "kill") and event["stopped_counting_s"] is not None
     assert 0 < event["join_state_loaded_s"] <= event["join_first_step_s"]
     assert section.startswith("## churn") and f"| {event['kind']} |" in section
+
+
+def test_attacks_suite_smoke():
+    result, section = smoke("attacks")
+    honest, attacked = result["runs"]
+    assert honest["attack"] is None and attacked["attack"] == "scale:1000"
+    assert honest["defence"] == attacked["defence"] == "centered-clip"
+    assert len(honest["top1"]) == 4 and len(attacked["top1"]) == 3  # the attacker's own weights are not judged
+    assert attacked["attacker_rounds"] >= 1  # it averaged with the honest peers: the figures are its doing
+    assert all(run["samples_per_s"] > 0 for run in result["runs"])
+    assert section.startswith("## attacks") and "| scale:1000 | centered-clip |" in section

@@ -105,7 +105,9 @@ def _write_page(rows: list[FaultRow], network: str) -> None:
         *[f"| {r.fault} | {r.epoch} | {r.recovery_s:.1f} | {r.measured} |" for r in rows],
         "",
     ]
-    RELIABILITY_PAGE.write_text("\n".join(lines))
+    # The page's sections (## ...) are the benchmark suites' (python -m benchmarks.bench attacks): they stay.
+    kept = RELIABILITY_PAGE.read_text().partition("\n## ") if RELIABILITY_PAGE.exists() else ("", "", "")
+    RELIABILITY_PAGE.write_text("\n".join(lines) + ("\n## " + kept[2] if kept[1] else ""))
 
 
 @pytest.fixture(scope="module")
