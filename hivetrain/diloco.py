@@ -25,14 +25,17 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.hivemind_internals import HookedProgressTracker, RobustAveraging
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import vetted
-from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint, withdraw_records
+from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint, read_records, withdraw_records
 
 logger = logging.getLogger(__name__)
+
+GROUPMATES_WAIT = 5.0  # seconds a leaving peer waits at most for the groupmates of its last round to finish it
 
 
 def outer_state_prefix(run_id: str) -> str:
@@ -73,6 +76,7 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         self.round = 0
         self.last_pseudo_gradient_norm: Optional[float] = None  # this peer's own, in its last round
         self.last_group_size = 0  # peers in its last round, itself included
+        self.last_groupmates: list[bytes] = []  # the others of its last round (peer IDs): see DiLoCoRounds.shutdown
         self.compression = compression
         # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
         # peer's alone, and a joiner must not download it.
@@ -135,7 +139,7 @@ class OuterState(RobustAveraging, DecentralizedAverager):
                 anchor = outer.sub(self.momentum[index], alpha=lr * m * m) if m else outer.clone()
                 outer.copy_(anchor).sub_(pseudo_gradient, alpha=lr * (1 + m))
                 anchors.append(anchor)
-        self.last_pseudo_gradient_norm, self.last_group_size = squares ** 0.5, 1
+        self.last_pseudo_gradient_norm, self.last_group_size, self.last_groupmates = squares ** 0.5, 1, []
         started_round, self.round = self.round, self.round + 1
         averaged = False
         if timeout is not None:
@@ -150,6 +154,7 @@ class OuterState(RobustAveraging, DecentralizedAverager):
                 # Groupmates that came from a later round bring this peer's round number up with their parameters.
                 self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
                 averaged, self.last_group_size = len(gathered) > 1, len(gathered)
+                self.last_groupmates = [peer.to_bytes() for peer in gathered if peer != self.peer_id]
         with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
             for outer, anchor, buffer in zip(self.outer_parameters, anchors, self.momentum):
                 buffer.mul_(m).add_(anchor.sub_(outer), alpha=1 / (lr * (1 + m)))
@@ -316,6 +321,21 @@ class DiLoCoRounds:
             withdraw_records(self.outer.dht, self.tracker, [self.outer])
 
     def shutdown(self) -> None:
-        """Leave: withdraw this peer's records (if not done at the first sign of leaving), then stop."""
+        """Leave: withdraw this peer's records (if not done at the first sign of leaving), let the groupmates of its
+        last round finish it, then stop."""
         self.withdraw()
+        self.wait_for_last_groupmates()
         self.outer.shutdown()
+
+    def wait_for_last_groupmates(self, timeout: float = GROUPMATES_WAIT) -> None:
+        """Wait, at most `timeout` seconds, until every groupmate of this peer's last round reports a later round or is
+        gone. A peer's all-reduce ends when it holds every averaged part, while its groupmates may still be reading
+        the parts it reduced: a peer that stopped right after its round (--stop-at-epoch) and exited then closed its
+        connections under them, and they kept half-averaged parameters, apart from everyone else's."""
+        waiting, deadline = set(self.outer.last_groupmates), time.monotonic() + timeout
+        while waiting:
+            records = read_records(self.outer.dht, self.tracker.training_progress_key, LocalTrainingProgress)
+            waiting &= {record.peer_id for record in records if record.epoch < self.round}
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)

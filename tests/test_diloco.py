@@ -7,13 +7,14 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
-from hivetrain.swarm import DHTOptions, start_dht
+from hivetrain.swarm import DHTOptions, read_records, start_dht
 
 CONFIG = get_preset("demo")
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -40,6 +41,16 @@ def _rounds(dht, model, inner_steps: int, batch: int, outer_lr: float, outer_mom
     return DiLoCoRounds(dht, "test_diloco", list(model.parameters()), inner_steps=inner_steps, batch_size=batch,
                         outer_lr=outer_lr, outer_momentum=outer_momentum, matchmaking_time=2.0, averaging_timeout=30.0,
                         next_chunk_timeout=5.0, load_state_timeout=20.0, private_key=RSAPrivateKey())
+
+
+def _report_and_wait_until_seen(peer: DiLoCoRounds, epoch: int) -> None:
+    """`peer` reports `epoch` as its round, and the DHT holds that record."""
+    peer.tracker.report_local_progress(epoch, 0)
+    deadline = time.monotonic() + 30
+    while {r.epoch for r in read_records(peer.outer.dht, peer.tracker.training_progress_key, LocalTrainingProgress)
+           if r.peer_id == peer.outer.peer_id.to_bytes()} != {epoch}:
+        assert time.monotonic() < deadline, f"the record of epoch {epoch} never showed"
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -122,6 +133,19 @@ def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradi
         for peer, own in zip(rounds, pseudo):  # what the peers report: their own pseudo-gradient, the bytes sent
             assert peer.outer.last_pseudo_gradient_norm == pytest.approx(own.norm().item(), rel=1e-3)
             assert peer.outer.last_group_size == 2 and peer.outer.last_round_bytes == outer0.numel() * 4
+
+        # A peer that leaves right after a round first waits for its groupmates to finish theirs (shutdown does):
+        # while the other still reports the round before, it waits; as soon as the other reports the next, it stops.
+        leaver, other = rounds
+        assert leaver.outer.last_groupmates == [other.outer.peer_id.to_bytes()]
+        _report_and_wait_until_seen(other, epoch=0)
+        waiter = threading.Thread(target=leaver.wait_for_last_groupmates, kwargs=dict(timeout=120))
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive()
+        _report_and_wait_until_seen(other, epoch=1)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive()
     finally:
         for peer in rounds:
             peer.shutdown()
