@@ -4,10 +4,11 @@ python -m benchmarks.scale page (logbook/scale.md again from the newest record).
 One run measures, on loopback with the demo preset (diloco, one torch thread per peer):
 
 - costs: swarms of 2, 4 and 8 training peers, groups as large as the swarm (`--target-group-size` unset): the
-  coordinator's CPU and memory (its DHT, state-holder and p2pd processes included), each peer's CPU in its training process and in its background processes (hivemind's DHT and averager, p2pd: where
-  the progress, telemetry and run-record refreshes run; neither hivemind nor p2pd counts DHT requests or bytes for
-  programs, so CPU is the measure), the time per outer round (matchmaking and all-reduce) against the group size, and
-  the bytes a peer sends per round (its records' round_bytes);
+  coordinator's CPU and memory (its DHT, state-holder and p2pd processes included), each peer's CPU in its
+  training process and in its background processes (hivemind's DHT and averager, p2pd: where the progress,
+  telemetry and run-record refreshes run; neither hivemind nor p2pd counts DHT requests or bytes for programs, so
+  CPU is the measure), the time per outer round (matchmaking and all-reduce) against the group size, and the bytes
+  a peer sends per round (its records' round_bytes);
 - the coordinator's look with 64 and 128 lightweight publishers (benchmarks.monitor): the peers' records at counts
   that training peers cannot reach on this machine;
 - a joiner storm: a coordinator that validates every epoch (so it holds the state, as in a real run) and 2 training
@@ -244,6 +245,8 @@ COORDINATOR_CORES = 1.0  # the coordinator's look runs on one thread
 JOIN_FRACTION = 0.1  # a storm: a tenth of the swarm joins at once (assumption: a restart, a class starting together)
 REACHABLE_FRACTION = 0.5  # peers that are not in client mode and so can serve the state (assumption)
 UPLINK_BYTES_S = 20e6 / 8  # a holder's uplink, 20 Mbit/s (the links suite's volunteer line)
+PUBLISHERS_LOOK_EVERY_S = 2.0  # benchmarks.monitor's coordinator looks every 2 s
+PROGRESS_READ_EVERY_S = 3.0  # hivemind's progress tracker reads the records every 0.5-10 s, 3 by default (assumption)
 STORM_WAIT_S = 600.0  # a joiner should not wait over 10 minutes for the state (assumption)
 
 
@@ -254,6 +257,17 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
         return ys[0], 0.0
     slope, intercept = statistics.linear_regression(xs, ys)
     return intercept, slope
+
+
+def growing(points: list[tuple[float, float]]) -> tuple[float, float, bool]:
+    """fit(points), unless the cost fell as N grew (the shared machine gave each process less, not a trend to
+    extrapolate): then the value at the smallest N, held constant. (a, b, whether it fell)."""
+    if not points:
+        return float("nan"), 0.0, False
+    a, b = fit(points)
+    if b < 0:
+        return min(points)[1], 0.0, True
+    return a, b, False
 
 
 def crossing(a: float, b: float, limit: float) -> float | None:
@@ -296,15 +310,25 @@ def scale_page(record: dict) -> str:
     # (the training swarms' coordinators shared two saturated cores with the peers, and looked five times less often).
     coordinator_points = [(p["publishers"], p["coordinator_cpu_percent"] / 100) for p in result["publishers"]] or [
         (c["peers"], c["coordinator_cores"]) for c in whole]
-    look_points = [(c["peers"], c["look_median_s"]) for c in whole if c["look_median_s"] is not None] + [
-        (p["publishers"], p["look_median_s"]) for p in result["publishers"]]
+    # The look's time likewise: in the training swarms it waited for saturated cores.
+    look_points = [(p["publishers"], p["look_median_s"]) for p in result["publishers"]] or [
+        (c["peers"], c["look_median_s"]) for c in whole if c["look_median_s"] is not None]
     rss_points = [(c["peers"], c["coordinator_rss_bytes"] / 2**20) for c in whole] + [
         (p["publishers"], p["coordinator_rss_bytes"] / 2**20) for p in result["publishers"]]
     background_points = [(c["peers"], c["peer_background_cores"]) for c in whole]
-    round_points = [(c["group_size_median"], c["round_seconds"]) for c in costs
-                    if c["round_seconds"] is not None and c["group_size_median"] is not None]
-    fits = dict(coordinator_cores=fit(coordinator_points), look_s=fit(look_points), rss_mib=fit(rss_points),
-                background_cores=fit(background_points), round_s=fit(round_points))
+    # A round against its group only where the group formed as asked: a swarm whose rounds fell apart (groups
+    # smaller than asked for) measures the saturated machine, not the group size.
+    formed = [c for c in costs if c["round_seconds"] is not None and c["group_size_median"] is not None
+              and c["group_size_median"] >= (c["target_group_size"] or c["peers"])]
+    fell_apart = [c for c in costs if c not in formed and c["round_seconds"] is not None]
+    round_points = [(c["group_size_median"], c["round_seconds"]) for c in formed]
+    fits = {name: growing(points) for name, points in dict(
+        coordinator_cores=coordinator_points, look_s=look_points, rss_mib=rss_points,
+        background_cores=background_points, round_s=round_points).items()}
+    # A peer's background work as N grows, modelled: its progress tracker reads all N progress records about every
+    # PROGRESS_READ_EVERY_S, at the coordinator's measured cost per record read (its look every 2 s reads each
+    # peer's records): the measured fit alone cannot show it, the machine gave the peers less as they multiplied.
+    background_model_slope = fits["coordinator_cores"][1] * PUBLISHERS_LOOK_EVERY_S / PROGRESS_READ_EVERY_S
     demo, mission = models["demo"], models[next(k for k in models if k != "demo")]
     mission_name = next(k for k in models if k != "demo")
 
@@ -321,19 +345,19 @@ def scale_page(record: dict) -> str:
 
     limits = {
         "the coordinator's look (one look slower than the refresh)": (
-            crossing(*fits["look_s"], REFRESH_S), f"a look takes {REFRESH_S:.0f} s (`--refresh`)",
+            crossing(*fits["look_s"][:2], REFRESH_S), f"a look takes {REFRESH_S:.0f} s (`--refresh`)",
             "a longer `--refresh`; beyond that, a look that reads only records changed since the last (a design"
             " change: hivemind's DHT returns every subkey of the metrics and progress keys each time)"),
         "the coordinator's CPU": (
-            crossing(*fits["coordinator_cores"], COORDINATOR_CORES), f"{COORDINATOR_CORES:.0f} core",
+            crossing(*fits["coordinator_cores"][:2], COORDINATOR_CORES), f"{COORDINATOR_CORES:.0f} core",
             "the same as the look: fewer, incremental reads; the validation runs on a machine of its own"),
         "each peer's background work (the DHT refreshes, and its rounds' networking)": (
-            crossing(*fits["background_cores"], VOLUNTEER_BACKGROUND_CORES),
+            crossing(fits["background_cores"][0], background_model_slope, VOLUNTEER_BACKGROUND_CORES),
             f"{VOLUNTEER_BACKGROUND_CORES} core of background work per peer",
             "longer refresh periods (the progress tracker's and `PUBLISH_EVERY`), and each peer reading a bounded"
             " sample of the progress records rather than all N (a design change in the round trigger)"),
         "all-reduce fan-in (one group of the whole swarm)": (
-            crossing(*fits["round_s"], demo["averaging_timeout_s"]),
+            crossing(*fits["round_s"][:2], demo["averaging_timeout_s"]),
             f"a round takes the demo preset's averaging timeout, {demo['averaging_timeout_s']:.0f} s",
             "`--target-group-size` (groups of G, drawn anew each round): the round then costs what a group of G"
             " costs, at any N"),
@@ -349,14 +373,18 @@ def scale_page(record: dict) -> str:
         return "none of those modelled" if not hit else "; ".join(f"{what} (from about {at:,.0f} peers)"
                                                                   for at, what in hit)
 
-    a, b = fits["coordinator_cores"]
-    la, lb = fits["look_s"]
-    ra, rb = fits["rss_mib"]
-    ba, bb = fits["background_cores"]
-    oa, ob = fits["round_s"]
+    (a, b, _), (la, lb, _), (ra, rb, _) = fits["coordinator_cores"], fits["look_s"], fits["rss_mib"]
+    (ba, _, _), (oa, ob, _) = fits["background_cores"], fits["round_s"]
+
+    def fit_row(what: str, name: str, points: list, digits: int) -> str:
+        fa, fb, fell = fits[name]
+        note = " (fell as N grew: held at the smallest N's value)" if fell else ""
+        return (f"| {what} | {fa:.{digits}f} | {fb:.{digits + 2}f}{note} | {len(points)} sizes, N ="
+                f" {', '.join(f'{x:g}' for x, _ in points)} |\n")
     extrapolated = "".join(
         f"| {size:,} | {_number(a + b * size)} | {_number(la + lb * size)} | {_number(ra + rb * size, 0)} |"
-        f" {_number(ba + bb * size)} | {_number(oa + ob * size, 1)} | {_number(storm_seconds(size, busiest_share), 0)}"
+        f" {_number(ba + background_model_slope * size)} | {_number(oa + ob * size, 1)} |"
+        f" {_number(storm_seconds(size, busiest_share), 0)}"
         f" | {_number(storm_seconds(size, 1 / (REACHABLE_FRACTION * size)), 1)} | {first_limits(size)} |\n"
         for size in SIZES)
     limit_rows = "".join(
@@ -440,24 +468,31 @@ def scale_page(record: dict) -> str:
         " coordinator remains. This spreading is hivemind's own (no change was made to it); the table above is how"
         " this run's storm went.\n\n"
         "## Fits\n\n"
-        "Straight lines y = a + b N by least squares over every size measured above: the coordinator's CPU from the"
-        " publishers (a look every 2 s, five times as often as its default: an upper bound), its look and memory"
-        " from the training swarms and the publishers together, a peer's background CPU from the swarms whose groups"
-        " were the whole swarm, a round's time against its group size G.\n\n"
+        "Straight lines y = a + b N by least squares: the coordinator's CPU and its look's time from the publishers"
+        " where measured (a look every 2 s, five times as often as its default: an upper bound; in the training"
+        " swarms the look waited for saturated cores), its memory from the training swarms and the publishers"
+        " together, a peer's background CPU from the training swarms, a round's time against its group size G from"
+        " the swarms whose groups formed as asked. A cost that fell as N grew is not a trend (the shared machine gave"
+        " each process less): it is held at its value at the smallest N, a lower bound.\n\n"
         "| cost | a | b (per peer) | from |\n|---|---:|---:|---|\n"
-        f"| coordinator cores | {a:.4f} | {b:.6f} | {len(coordinator_points)} sizes, N = "
-        f"{', '.join(str(int(x)) for x, _ in coordinator_points)} |\n"
-        f"| a look (s) | {la:.4f} | {lb:.6f} | {len(look_points)} sizes |\n"
-        f"| coordinator RSS (MiB) | {ra:.1f} | {rb:.4f} | {len(rss_points)} sizes |\n"
-        f"| background cores per peer | {ba:.4f} | {bb:.6f} | {len(background_points)} swarm sizes, N ="
-        f" {', '.join(str(int(x)) for x, _ in background_points)} |\n"
-        f"| a round (s), against G | {oa:.3f} | {ob:.4f} | {len(round_points)} swarms, G ="
-        f" {', '.join(str(int(x)) for x, _ in round_points)} |\n\n"
+        + fit_row("coordinator cores", "coordinator_cores", coordinator_points, 4)
+        + fit_row("a look (s)", "look_s", look_points, 4)
+        + fit_row("coordinator RSS (MiB)", "rss_mib", rss_points, 1)
+        + fit_row("background cores per peer", "background_cores", background_points, 4)
+        + fit_row("a round (s), against G", "round_s", round_points, 3)
+        + f"\nModelled, not fitted: a peer's background cores grow by {background_model_slope:.6f} per peer (its"
+        f" progress tracker reads all N progress records about every {PROGRESS_READ_EVERY_S:.0f} s, at the"
+        f" coordinator's measured cost per record read, {b:.6f} cores per peer at a read every"
+        f" {PUBLISHERS_LOOK_EVERY_S:.0f} s); the extrapolation below adds this to the measured value."
+        + "".join(f" With {c['peers']} peers the groups did not form (median group {c['group_size_median']:g}, a round"
+                  f" {c['round_seconds']:.1f} s): on two saturated cores matchmaking and all-reduce timed out, so"
+                  " that swarm's round is left out of the fit." for c in fell_apart)
+        + "\n\n"
         "## Extrapolated to 100, 1,000 and 10,000 peers\n\n"
         "**Everything in this section is extrapolated from the fits above, not measured.** Assumptions:\n\n"
-        "- every cost grows in a straight line with N as it did from 2 to 256 (the coordinator) and from 2 to 8"
-        " (a peer's background work); a cost that is really quadratic (each peer reading all N records, N times) would"
-        " come sooner than these lines say;\n"
+        "- every cost grows in a straight line with N as it did over the sizes measured (the coordinator's up to the"
+        " most publishers, a round's up to the largest group that formed); a peer's background work as modelled"
+        " above;\n"
         f"- a round with one group of the whole swarm (no `--target-group-size`): G = N; the demo model"
         f" ({demo['parameters']:,} parameters) on loopback. Bytes per round per peer stay below 2 x the parameters x 4"
         f" bytes ({2 * demo['parameters'] * 4 / 1e6:.2f} MB for the demo model) at any G: they do not limit;\n"
