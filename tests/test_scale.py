@@ -4,6 +4,7 @@ the page fitted and extrapolated from that record."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,3 +38,31 @@ def test_fit_and_crossing():
     assert scale.crossing(-1.0, 2.0, 9.0) == pytest.approx(5.0)
     assert scale.crossing(1.0, 0.0, 9.0) is None  # a cost that does not grow never reaches a limit
     assert scale.crossing(10.0, 1.0, 9.0) == 0.0
+
+
+def test_a_state_holder_counts_the_downloads_it_answers():
+    """The counter behind the storm's figures: a download from the coordinator's holder counts one there."""
+    import hivemind
+
+    from coordinator.state import StateHolder
+    from hivetrain.config import get_preset
+
+    config = get_preset("demo")
+    dht = hivemind.DHT(start=True)
+    other_dht = hivemind.DHT(initial_peers=[str(a) for a in dht.get_visible_maddrs()], start=True)
+    holder = StateHolder(dht, config)
+    other = StateHolder(other_dht, config)
+    try:
+        holder._offer(3)  # it holds the state of epoch 3 and serves it
+        assert holder.states_served == 0
+        deadline = time.monotonic() + 30
+        while not other.load_from_peers():  # until its offer is in the DHT: no holder is asked before that
+            assert time.monotonic() < deadline, "the holder's offer never reached the other"
+            time.sleep(0.5)
+        assert other.epoch == 3
+        assert holder.states_served == 1 and other.states_served == 0
+    finally:
+        other.shutdown()
+        holder.shutdown()
+        other_dht.shutdown()
+        dht.shutdown()
