@@ -20,50 +20,55 @@ WINDOW_S, SMOKE_WINDOW_S = 60.0, 15.0
 
 
 def monitor_suite(work: Path, smoke: bool) -> dict:
+    window_s = SMOKE_WINDOW_S if smoke else WINDOW_S
+    results = [monitor_run(work, count, window_s) for count in (PUBLISHERS[:1] if smoke else PUBLISHERS)]
+    return dict(results=results, per_process=PER_PROCESS)
+
+
+def monitor_run(work: Path, count: int, window_s: float) -> dict:
+    """A coordinator (a look every 2 s) and `count` publishers: its looks, the peers it counted and its CPU and
+    memory over `window_s` seconds once every simulated peer has published."""
     from benchmarks.bench import MONITOR_ONLY
     from hivetrain.metrics_store import MetricsReader
 
-    window_s = SMOKE_WINDOW_S if smoke else WINDOW_S
-    results = []
-    for count in PUBLISHERS[:1] if smoke else PUBLISHERS:
-        name = f"monitor-{count}"
-        roles: list[Process] = []
-        try:
-            coordinator, addresses = start_coordinator(work, name, [*MONITOR_ONLY, "--refresh", "2"])
-            roles.append(coordinator)
-            run_id = coordinator.event("serving")["run_id"]
-            processes = -(-count // PER_PROCESS)
-            for index in range(processes):
-                share = count // processes + (index < count % processes)
-                roles.append(Process(["-m", "benchmarks.publishers", "--initial-peers", *addresses, "--run-id",
-                                      run_id, "--count", str(share), "--name", f"{name}-{index}"],
-                                     work / f"{name}-publishers-{index}.log",
-                                     events=work / f"{name}-publishers-{index}.events"))
-            for publishers in roles[1:]:
-                publishers.wait_for_event("publishing", timeout=300)
-            time.sleep(2 * 5.0)  # every simulated peer has refreshed its records at least once
-            started = time.time()
-            time.sleep(window_s)
-            ended = time.time()
-            main, descendants = coordinator.cpu_between(started, ended)
-            rss = coordinator.rss_bytes()
-            looks = [e["seconds"] for e in coordinator.events("look") if started <= e["time"] <= ended]
-            with MetricsReader(work / name / "metrics.sqlite") as reader:
-                counted = [s.alive_peers for s in reader.snapshots(since=started) if s.time <= ended]
-            if not looks or not counted:
-                raise RuntimeError(f"the coordinator of {name} made no look in the window; see {coordinator.log}")
-            results.append(dict(
-                publishers=count, window_s=ended - started, looks=len(looks),
-                look_median_s=statistics.median(looks), look_max_s=max(looks),
-                counted_median=statistics.median(counted), counted_min=min(counted),
-                coordinator_cpu_percent=100 * (main + descendants), coordinator_rss_bytes=rss))
-            print(f"{count} publishers: a look in {results[-1]['look_median_s']:.3f} s (median of {len(looks)}),"
-                  f" {results[-1]['counted_median']:.0f} counted, coordinator at"
-                  f" {results[-1]['coordinator_cpu_percent']:.1f}% of a core", flush=True)
-        finally:
-            for role in reversed(roles):
-                role.stop()
-    return dict(results=results, per_process=PER_PROCESS)
+    name = f"monitor-{count}"
+    roles: list[Process] = []
+    try:
+        coordinator, addresses = start_coordinator(work, name, [*MONITOR_ONLY, "--refresh", "2"])
+        roles.append(coordinator)
+        run_id = coordinator.event("serving")["run_id"]
+        processes = -(-count // PER_PROCESS)
+        for index in range(processes):
+            share = count // processes + (index < count % processes)
+            roles.append(Process(["-m", "benchmarks.publishers", "--initial-peers", *addresses, "--run-id",
+                                  run_id, "--count", str(share), "--name", f"{name}-{index}"],
+                                 work / f"{name}-publishers-{index}.log",
+                                 events=work / f"{name}-publishers-{index}.events"))
+        for publishers in roles[1:]:
+            publishers.wait_for_event("publishing", timeout=300)
+        time.sleep(2 * 5.0)  # every simulated peer has refreshed its records at least once
+        started = time.time()
+        time.sleep(window_s)
+        ended = time.time()
+        main, descendants = coordinator.cpu_between(started, ended)
+        rss = coordinator.rss_bytes()
+        looks = [e["seconds"] for e in coordinator.events("look") if started <= e["time"] <= ended]
+        with MetricsReader(work / name / "metrics.sqlite") as reader:
+            counted = [s.alive_peers for s in reader.snapshots(since=started) if s.time <= ended]
+        if not looks or not counted:
+            raise RuntimeError(f"the coordinator of {name} made no look in the window; see {coordinator.log}")
+        result = dict(
+            publishers=count, window_s=ended - started, looks=len(looks),
+            look_median_s=statistics.median(looks), look_max_s=max(looks),
+            counted_median=statistics.median(counted), counted_min=min(counted),
+            coordinator_cpu_percent=100 * (main + descendants), coordinator_rss_bytes=rss)
+        print(f"{count} publishers: a look in {result['look_median_s']:.3f} s (median of {len(looks)}),"
+              f" {result['counted_median']:.0f} counted, coordinator at"
+              f" {result['coordinator_cpu_percent']:.1f}% of a core", flush=True)
+        return result
+    finally:
+        for role in reversed(roles):
+            role.stop()
 
 
 def monitor_section(result: dict, env: dict, out: Path) -> str:

@@ -409,7 +409,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                 snapshot = monitor.refresh()
                 looked = time.perf_counter() - look_started
                 print(status_line(snapshot, looked), flush=True)
-                events("look", epoch=snapshot.epoch, seconds=looked)
+                events("look", epoch=snapshot.epoch, seconds=looked, states_served=holder.states_served)
                 if validation is not None and validation.ident is None:
                     validation.start()  # after the first look: it needs to know where the swarm is
                 next_refresh = now + args.refresh

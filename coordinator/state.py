@@ -35,6 +35,19 @@ def make_state_holder(dht: hivemind.DHT, config: RunConfig, resume: Optional[Che
     return holder(dht, config, resume, device=device)
 
 
+class CountingStateAverager(TrainingStateAverager):
+    """hivemind's state averager that counts the state downloads it answers (the coordinator's `look` events)."""
+
+    def __init__(self, **kwargs):
+        self.states_served = 0
+        super().__init__(**kwargs)
+
+    def get_current_state(self):
+        # hivemind asks the host process for the state once per download it answers (rpc_download_state)
+        self.states_served += 1
+        return super().get_current_state()
+
+
 class StateHolder:
     def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
                  device: torch.device = torch.device("cpu"), load_timeout: float = 60.0):
@@ -47,7 +60,7 @@ class StateHolder:
         # line up one to one with theirs.
         param_groups, make_inner, make_scheduler = optimizer_recipe(*make_optimizer(self.model, config.optim))
         with keeping_sigint():
-            self.averager = TrainingStateAverager(
+            self.averager = CountingStateAverager(
                 dht=dht,
                 prefix=f"{config.run_id}_state_averager",  # the key hivemind.Optimizer's state averager uses
                 optimizer=make_inner,
@@ -71,6 +84,10 @@ class StateHolder:
     @property
     def has_state(self) -> bool:
         return self.averager.allow_state_sharing
+
+    @property
+    def states_served(self) -> int:
+        return self.averager.states_served
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         inner = self.averager.optimizer
@@ -137,6 +154,11 @@ class OuterStateHolder:
     @property
     def has_state(self) -> bool:
         return self.outer.allow_state_sharing
+
+    @property
+    def states_served(self) -> int:
+        """State downloads the coordinator has answered."""
+        return self.outer.states_served
 
     def _offer(self) -> None:
         self.outer.state_sharing_priority = self.outer.round

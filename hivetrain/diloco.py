@@ -77,6 +77,7 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         self.last_pseudo_gradient_norm: Optional[float] = None  # this peer's own, in its last round
         self.last_group_size = 0  # peers in its last round, itself included
         self.last_groupmates: list[bytes] = []  # the others of its last round (peer IDs): see DiLoCoRounds.shutdown
+        self.states_served = 0  # state downloads this peer has answered (benchmarks.scale: where joiners go)
         self.compression = compression
         # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
         # peer's alone, and a joiner must not download it.
@@ -90,7 +91,9 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         return [*self.outer_parameters, *self.momentum]
 
     def get_current_state(self):
+        # hivemind asks the host process for the state once per download it answers (rpc_download_state)
         with self.round_lock, self.get_tensors():  # a copy: the state may change while it is sent
+            self.states_served += 1
             return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
 
     def set_state(self, round_: int, tensors: Sequence[torch.Tensor]) -> bool:

@@ -361,7 +361,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
           f" contributed {progress.samples} samples{swarm_share}.", flush=True)
     events("left", epoch=progress.epoch, samples=progress.samples, train_seconds=progress.train_seconds,
-           swarm_seconds=progress.swarm_seconds, missed_rounds=progress.missed_rounds)
+           swarm_seconds=progress.swarm_seconds, missed_rounds=progress.missed_rounds,
+           states_served=progress.states_served)
     if args.save_weights:
         save_weights(Path(args.save_weights), module.model, config, progress.epoch)
         print(f"Saved the weights to {args.save_weights}", flush=True)

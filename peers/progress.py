@@ -38,6 +38,7 @@ class SwarmProgress(pl.Callback):
         self.swarm_seconds = 0.0  # of which in swarm rounds and state downloads (SwarmOptimizer.swarm_seconds)
         self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
         self.missed_rounds = 0  # swarm rounds it missed or could not average
+        self.states_served = 0  # diloco: state downloads it answered for joiners (and the coordinator)
         self._train_started: Optional[float] = None
         self._publishing = threading.Lock()  # the training thread's last record and the publishing thread's
         self._stop_publishing = threading.Event()
@@ -89,6 +90,8 @@ class SwarmProgress(pl.Callback):
             self.train_seconds = time.monotonic() - self._train_started
             self.swarm_seconds = trainer.strategy.swarm_seconds - self._swarm_seconds_before
             self.missed_rounds = trainer.strategy.missed_rounds
+            if trainer.strategy.rounds is not None:
+                self.states_served = trainer.strategy.rounds.outer.states_served
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -113,7 +116,12 @@ class SwarmProgress(pl.Callback):
     def _print_epoch_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int, seconds: float) -> None:
         throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(seconds, 1e-6)
         loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
-        self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss))
+        rounds, diloco = trainer.strategy.rounds, {}
+        if rounds is not None:  # its last round and the state downloads it answered so far (benchmarks.scale)
+            diloco = dict(group_size=rounds.outer.last_group_size, states_served=rounds.outer.states_served,
+                          round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None)
+        self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss),
+                    swarm_seconds=trainer.strategy.swarm_seconds, **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
                 f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
         bar = trainer.progress_bar_callback
