@@ -7,6 +7,7 @@ ATTACK is one of
   scale:FACTOR  its gradients (sync) or pseudo-gradient (diloco) times FACTOR: scale:-10, scale:1000
   noise         Gaussian noise of the same norm, tensor by tensor: as large as an honest contribution, and useless
   replay        the contribution of its first round, sent again in every later one: stale, honest-looking values
+and ATTACK@R (scale:1000@3) plays honest until outer round R (diloco), so that the run first has a good state to lose.
 
 In diloco mode the pseudo-gradient g = outer - local is replaced by attack(g) before the outer step, so the outer
 parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.diloco.OuterState computes them. In sync mode
@@ -28,6 +29,11 @@ class Contribution:
     """What the attack makes of one round's contribution (a list of tensors), and what it remembers across rounds."""
 
     def __init__(self, spec: str, seed: int = 0):
+        spec, _, start = spec.partition("@")
+        try:
+            self.from_round = int(start) if start else 0  # diloco: the first outer round attacked
+        except ValueError:
+            raise ValueError(f"{start!r} in ATTACK@ROUND is not a round number") from None
         self.spec, self.rounds = spec, 0
         self.first_round: Optional[list[torch.Tensor]] = None
         self.generator = torch.Generator().manual_seed(seed)
@@ -60,7 +66,7 @@ def attack_diloco(attack: Contribution) -> None:
 
     def attacked_outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
                             timeout: Optional[float]):
-        if timeout is None:  # alone: nobody to harm, and the attacker's own model is not the point
+        if timeout is None or self.round < attack.from_round:  # alone: nobody to harm; or not yet
             return honest_outer_step(self, local_parameters, weight, timeout)
         with torch.no_grad():
             pseudo = [outer - local.detach().to("cpu", torch.float32)
