@@ -7,7 +7,8 @@ ATTACK is one of
   scale:FACTOR  its gradients (sync) or pseudo-gradient (diloco) times FACTOR: scale:-10, scale:1000
   noise         Gaussian noise of the same norm, tensor by tensor: as large as an honest contribution, and useless
   replay        the contribution of its first round, sent again in every later one: stale, honest-looking values
-and ATTACK@R (scale:1000@3) plays honest until outer round R (diloco), so that the run first has a good state to lose.
+and ATTACK@R (scale:1000@3) plays honest in its first R rounds (diloco: until outer round R), so that the run first
+has a good state to lose.
 
 In diloco mode the pseudo-gradient g = outer - local is replaced by attack(g) before the outer step, so the outer
 parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.diloco.OuterState computes them. In sync mode
@@ -85,9 +86,14 @@ def attack_sync(attack: Contribution) -> None:
 
     honest_load = GradientAverager.load_accumulators_into_averager_
 
+    loads = [0]
+
     @torch.no_grad()
     def attacked_load(self) -> None:
         honest_load(self)
+        loads[0] += 1
+        if loads[0] <= attack.from_round:  # one load per swarm epoch: honest for the first ones
+            return
         with self.get_tensors() as averaged:
             for tensor, replaced in zip(averaged, attack([t.clone() for t in averaged])):
                 tensor.copy_(replaced)
