@@ -25,7 +25,7 @@ from hivetrain.swarm import DHT_READ_TIMEOUT, RUN_RECORD_TTL, read_signed_record
 
 logger = logging.getLogger(__name__)
 
-WATCH_EVERY = 2.0  # seconds between a peer's looks for a rollback: well inside the 10 s the issue allows beyond validation
+WATCH_EVERY = 2.0  # seconds between a peer's looks for a rollback: well inside the 10 s allowed beyond validation
 # Rounds (swarm epochs) the rolled-back state is numbered ahead of the swarm's latest: a peer that finishes one more
 # round before it sees the record is still behind it, so it takes the rolled-back state rather than its own.
 ROUNDS_AHEAD = 3
