@@ -191,15 +191,16 @@ class Validator:
         self.validated = restored  # the next validation is of what the swarm trains from the restored state
         record = RollbackRecord(run_id=best.config.run_id, sequence=self.writer.last_rollback_sequence() + 1,
                                 epoch=best.epoch, top1=best_top1, round=restored, reason=reason, time=time.time())
-        self.publish_rollback(record)
         self.writer.add_rollback(RollbackRow(time=record.time, sequence=record.sequence, epoch=row.epoch,
                                              top1=row.top1, loss=row.loss, best_epoch=best.epoch, best_top1=best_top1,
                                              restored_epoch=restored))
         for scalars in self.loggers:
             scalars.add_scalar("rollback/best_epoch", best.epoch, row.epoch, walltime=record.time)
+        # said before it is published: no peer's line about a rollback comes before the coordinator's
         self.report(f"Rollback {record.sequence}: validation at swarm epoch {row.epoch} saw {reason}; the swarm goes"
                     f" back to the best validated state (swarm epoch {best.epoch}, top-1 {best_top1:.1%}), served as"
                     f" swarm epoch {restored}")
+        self.publish_rollback(record)
 
     def _save_best(self, row: ValidationRow) -> None:
         metrics = dict(epoch=row.epoch, top1=row.top1, top5=row.top5, loss=row.loss, samples=row.samples, time=row.time)
