@@ -281,12 +281,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         if record is None:
             return
         if self.rounds is not None:
-            wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+            reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
             optimizer.state.clear()  # the inner statistics belong to the training that went wrong
             self._follow_swarm_schedule(in_optimizer_step=True)
         else:
-            wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch, record)
-        self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
+            reached = wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch, record)
+        if reached:  # else wait_for_state said why, and the next validation decides again
+            self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
 
     def leave_swarm(self) -> None:
         """Withdraw this peer's records now, once: the others stop counting it at their next look, and no longer wait

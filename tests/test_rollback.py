@@ -123,10 +123,8 @@ def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_p
         # the target (a benchmark, not asserted: two cores shared with other suites): back to training within
         # one validation interval plus 10 s of the validation
         print(f"{name}: rolled back {time.monotonic() - published_at:.1f} s after the coordinator's first rollback")
-        published = {int(m.group(6)): m for m in map(lambda text: re.match(ROLLBACK_LINE, text), coordinator.lines)
-                     if m is not None}
         restored = int(re.search(r"now at swarm epoch (\d+)", line).group(1))
-        rollback = published[restored]
+        rollback = coordinator.wait_for(ROLLBACK_LINE.replace(r"(\d+)$", f"({restored})$"), timeout=10)
         best = read_checkpoint(tmp_path / "coordinator" / "checkpoints" / checkpoint_name(int(rollback.group(4))))
         assert line == (f"Rolled back to the best validated state (swarm epoch {rollback.group(4)}, top-1"
                         f" {rollback.group(5)}%): the coordinator saw top-1 fall to {rollback.group(3)}% | now at"
