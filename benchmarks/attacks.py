@@ -7,6 +7,8 @@ ATTACK is one of
   scale:FACTOR  its gradients (sync) or pseudo-gradient (diloco) times FACTOR: scale:-10, scale:1000
   noise         Gaussian noise of the same norm, tensor by tensor: as large as an honest contribution, and useless
   replay        the contribution of its first round, sent again in every later one: stale, honest-looking values
+and ATTACK@R (scale:1000@3) plays honest in its first R rounds (diloco: until outer round R), so that the run first
+has a good state to lose.
 
 In diloco mode the pseudo-gradient g = outer - local is replaced by attack(g) before the outer step, so the outer
 parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.diloco.OuterState computes them. In sync mode
@@ -28,6 +30,11 @@ class Contribution:
     """What the attack makes of one round's contribution (a list of tensors), and what it remembers across rounds."""
 
     def __init__(self, spec: str, seed: int = 0):
+        spec, _, start = spec.partition("@")
+        try:
+            self.from_round = int(start) if start else 0  # diloco: the first outer round attacked
+        except ValueError:
+            raise ValueError(f"{start!r} in ATTACK@ROUND is not a round number") from None
         self.spec, self.rounds = spec, 0
         self.first_round: Optional[list[torch.Tensor]] = None
         self.generator = torch.Generator().manual_seed(seed)
@@ -60,7 +67,7 @@ def attack_diloco(attack: Contribution) -> None:
 
     def attacked_outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
                             timeout: Optional[float]):
-        if timeout is None:  # alone: nobody to harm, and the attacker's own model is not the point
+        if timeout is None or self.round < attack.from_round:  # alone: nobody to harm; or not yet
             return honest_outer_step(self, local_parameters, weight, timeout)
         with torch.no_grad():
             pseudo = [outer - local.detach().to("cpu", torch.float32)
@@ -79,9 +86,14 @@ def attack_sync(attack: Contribution) -> None:
 
     honest_load = GradientAverager.load_accumulators_into_averager_
 
+    loads = [0]
+
     @torch.no_grad()
     def attacked_load(self) -> None:
         honest_load(self)
+        loads[0] += 1
+        if loads[0] <= attack.from_round:  # one load per swarm epoch: honest for the first ones
+            return
         with self.get_tensors() as averaged:
             for tensor, replaced in zip(averaged, attack([t.clone() for t in averaged])):
                 tensor.copy_(replaced)

@@ -6,6 +6,7 @@ peer did or failed to do."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from statistics import mean
@@ -14,10 +15,11 @@ from typing import Callable, Optional, Sequence
 import hivemind
 from torch.utils.data import DataLoader
 
-from hivetrain.checkpoint import CheckpointStore
+from hivetrain.checkpoint import CheckpointError, CheckpointStore
 from hivetrain.config import RunConfig
 from hivetrain.evaluate import evaluate
-from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, SwarmSnapshot, ValidationRow
+from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
+from hivetrain.rollback import ROUNDS_AHEAD, RollbackRecord
 from hivetrain.telemetry import read_peer_records, read_swarm_progress
 
 logger = logging.getLogger(__name__)
@@ -86,17 +88,25 @@ class SwarmMonitor:
 class Validator:
     """Every `every` swarm epochs: download the newest state, evaluate it, and save a checkpoint on a new best top-1.
 
-    `holder` is the coordinator's StateHolder (anything with load_from_peers(), epoch, has_state, model and
-    checkpoint(metrics)); `swarm_epoch` tells where the swarm is; `loggers` are SummaryWriter-like (add_scalar,
-    add_text).
+    `holder` is the coordinator's StateHolder (anything with load_from_peers(), epoch, has_state, model,
+    checkpoint(metrics) and roll_back(checkpoint, epoch)); `swarm_epoch` tells where the swarm is; `loggers` are
+    SummaryWriter-like (add_scalar, add_text).
+
+    With `rollback_drop` (top-1 points), a validation whose top-1 is more than that below the best, or whose loss is
+    not finite, rolls the swarm back: the holder serves the best checkpoint's state again, numbered ROUNDS_AHEAD
+    swarm epochs ahead of the swarm (peers take no state older than theirs, and the epochs keep counting forward), and
+    `publish_rollback` gets the signed record's content for the peers.
     """
 
     def __init__(self, holder, loader: DataLoader, writer: MetricsWriter, checkpoints: CheckpointStore,
                  swarm_epoch: Callable[[], int], every: int = 1, device: str = "cpu", loggers: Sequence = (),
-                 attempts: int = 3, backoff: float = 1.0, report: Callable[[str], None] = print):
+                 attempts: int = 3, backoff: float = 1.0, report: Callable[[str], None] = print,
+                 rollback_drop: Optional[float] = None,
+                 publish_rollback: Callable[[RollbackRecord], None] = lambda record: None):
         self.holder, self.loader, self.writer, self.checkpoints = holder, loader, writer, checkpoints
         self.swarm_epoch, self.every, self.device, self.loggers = swarm_epoch, every, device, loggers
         self.attempts, self.backoff, self.report = attempts, backoff, report
+        self.rollback_drop, self.publish_rollback = rollback_drop, publish_rollback
         self.validated: Optional[int] = None  # the epoch of the last validation
         # A restarted coordinator keeps beating the best it saved before, not merely its first validation.
         self.best_top1: Optional[float] = max((e.top1 for e in checkpoints.list() if e.top1 is not None), default=None)
@@ -148,13 +158,49 @@ class Validator:
         for scalars in self.loggers:
             for name in ("loss", "top1", "top5"):
                 scalars.add_scalar(f"val/{name}", getattr(row, name), epoch, walltime=row.time)
-        is_best = self.best_top1 is None or row.top1 > self.best_top1
+        degraded = self._degraded(row)
+        is_best = degraded is None and (self.best_top1 is None or row.top1 > self.best_top1)
         self.report(f"validation at swarm epoch {epoch}: top-1 {row.top1:.4f}, top-5 {row.top5:.4f},"
                     f" loss {row.loss:.4f}{' (best so far)' if is_best else ''}")
         if is_best:
             self.best_top1 = row.top1
             self._save_best(row)
+        elif degraded is not None:
+            self._roll_back(row, degraded)
         return row
+
+    def _degraded(self, row: ValidationRow) -> Optional[str]:
+        """What calls for a rollback, in the words of the peers' line ("the coordinator saw ..."), or None."""
+        if self.rollback_drop is None or self.best_top1 is None:
+            return None
+        if not math.isfinite(row.loss):
+            return f"the validation loss turn {row.loss}"
+        if row.top1 < self.best_top1 - self.rollback_drop / 100:
+            return f"top-1 fall to {row.top1:.1%}"
+        return None
+
+    def _roll_back(self, row: ValidationRow, reason: str) -> None:
+        try:
+            best = self.checkpoints.load()  # the best: the one on record, also that of a coordinator before a restart
+        except CheckpointError as e:
+            logger.warning(f"Cannot roll back: the best checkpoint does not load ({e})")
+            return
+        best_top1 = float(best.metrics.get("top1", self.best_top1))
+        restored = max(self.swarm_epoch(), row.epoch) + ROUNDS_AHEAD
+        self.holder.roll_back(best, restored)
+        self.validated = restored  # the next validation is of what the swarm trains from the restored state
+        record = RollbackRecord(run_id=best.config.run_id, sequence=self.writer.last_rollback_sequence() + 1,
+                                epoch=best.epoch, top1=best_top1, round=restored, reason=reason, time=time.time())
+        self.writer.add_rollback(RollbackRow(time=record.time, sequence=record.sequence, epoch=row.epoch,
+                                             top1=row.top1, loss=row.loss, best_epoch=best.epoch, best_top1=best_top1,
+                                             restored_epoch=restored))
+        for scalars in self.loggers:
+            scalars.add_scalar("rollback/best_epoch", best.epoch, row.epoch, walltime=record.time)
+        # said before it is published: no peer's line about a rollback comes before the coordinator's
+        self.report(f"Rollback {record.sequence}: validation at swarm epoch {row.epoch} saw {reason}; the swarm goes"
+                    f" back to the best validated state (swarm epoch {best.epoch}, top-1 {best_top1:.1%}), served as"
+                    f" swarm epoch {restored}")
+        self.publish_rollback(record)
 
     def _save_best(self, row: ValidationRow) -> None:
         metrics = dict(epoch=row.epoch, top1=row.top1, top5=row.top5, loss=row.loss, samples=row.samples, time=row.time)

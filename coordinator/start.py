@@ -103,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="address /metrics and /api/state listen on (default: %(default)s, this machine only)")
     watch.add_argument("--validate-every", type=int, default=1, metavar="EPOCHS",
                        help="validate the shared model every this many swarm epochs (default: %(default)s; 0: never)")
+    watch.add_argument("--rollback-drop", type=float, default=None, metavar="POINTS",
+                       help="when a validation's top-1 is more than POINTS percentage points below the best, or its"
+                            " loss is not finite, send the swarm back to the best checkpoint's state (default: off)")
     watch.add_argument("--val-limit", type=int, default=None, metavar="N", help="validate on the first N samples only (small machines)")
     watch.add_argument("--data-dir", default=None, help="where datasets are stored (default: ~/.cache/hivetrain/data)")
     watch.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -124,6 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--refresh must be positive")
     if args.validate_every < 0:
         parser.error("--validate-every must be 0 or more")
+    if args.rollback_drop is not None and not 0 < args.rollback_drop <= 100:
+        parser.error("--rollback-drop must be in (0, 100]")
+    if args.rollback_drop is not None and args.validate_every == 0:
+        parser.error("--rollback-drop needs validation (--validate-every 1 or more)")
     if args.val_limit is not None and args.val_limit < 1:
         parser.error("--val-limit must be at least 1")
     if args.keep_last < 0:
@@ -346,6 +353,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from coordinator.state import make_state_holder
     from hivetrain.events import EventLog
     from hivetrain.metrics_store import RunInfo
+    from hivetrain.rollback import RollbackRecord, publish_rollback
     from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, raise_if_leaving, visible_addresses
     from hivetrain.wandb_run import WandbScalars, open_wandb_run
 
@@ -381,11 +389,25 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     holder = make_state_holder(dht, config, resume, device=torch.device(device))
     monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=holder.epoch)
     stop = threading.Event()
+    printing = threading.Lock()
+
+    def say(line: str) -> None:
+        # the validation thread's lines and the status lines: print writes a line and its newline separately
+        with printing:
+            print(line, flush=True)
+
     validation = None
+    rollbacks: list[RollbackRecord] = []  # the latest, refreshed with the run's configuration
+
+    def roll_back(record: RollbackRecord) -> None:
+        rollbacks[:] = [record]
+        publish_rollback(dht, record)
+
     if loader is not None:
         validator = Validator(holder, loader, writer, checkpoints, every=args.validate_every, device=device,
                               swarm_epoch=lambda: monitor.latest.epoch if monitor.latest else 0,
-                              loggers=loggers, report=lambda line: print(line, flush=True))
+                              loggers=loggers, report=say,
+                              rollback_drop=args.rollback_drop, publish_rollback=roll_back)
         validation = threading.Thread(target=validator.run, args=(stop,), name="validator", daemon=True)
     try:
         next_publish = next_refresh = 0.0
@@ -403,12 +425,14 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                         logging.warning(f"A DHT node refused the run's configuration ({refused} time(s) in the last"
                                         f" minute; others may hold it); retrying")
                         refused, next_refusal_warning = 0, now + 60.0
+                for record in list(rollbacks):  # peers that were away, or joined since, still see the latest
+                    publish_rollback(dht, record)
                 next_publish = now + RUN_RECORD_TTL / 3
             if now >= next_refresh:
                 look_started = time.perf_counter()
                 snapshot = monitor.refresh()
                 looked = time.perf_counter() - look_started
-                print(status_line(snapshot, looked), flush=True)
+                say(status_line(snapshot, looked))
                 events("look", epoch=snapshot.epoch, seconds=looked, states_served=holder.states_served)
                 if validation is not None and validation.ident is None:
                     validation.start()  # after the first look: it needs to know where the swarm is

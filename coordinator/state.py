@@ -48,6 +48,11 @@ class CountingStateAverager(TrainingStateAverager):
         return super().get_current_state()
 
 
+# hivemind names a servicer's RPC protocols after its class ("TrainingStateAverager.rpc_download_state" in the peers'
+# state averagers): under a name of its own the coordinator served nobody, and no peer could download from it.
+CountingStateAverager.__name__ = TrainingStateAverager.__name__
+
+
 class StateHolder:
     def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
                  device: torch.device = torch.device("cpu"), load_timeout: float = 60.0):
@@ -117,6 +122,12 @@ class StateHolder:
         return Checkpoint.from_model(self.model, self.config, self.epoch, metrics, self.averager.optimizer,
                                      self.averager.scheduler)
 
+    def roll_back(self, checkpoint: Checkpoint, epoch: int) -> None:
+        """Serve `checkpoint`'s state again, numbered swarm epoch `epoch` (ahead of the swarm: hivemind's peers take
+        no state older than their own)."""
+        self.model.load_state_dict(checkpoint.weights)
+        self._restore(dataclasses.replace(checkpoint, epoch=epoch))
+
     def shutdown(self) -> None:
         if self.has_state:  # joiners stop asking the coordinator at once
             withdraw_records(self.averager.dht, None, [self.averager])
@@ -141,11 +152,15 @@ class OuterStateHolder:
             allow_state_sharing=False, declare_state_period=RECORD_LIFETIME,
         )
         if resume is not None:  # the weights went into the outer parameters above; the momentum and round follow
-            state = (resume.optimizer or {}).get("state", {})
-            momentum = [state[i]["momentum_buffer"] for i in sorted(state) if "momentum_buffer" in state[i]]
-            if not self.outer.set_state(resume.epoch, [*self.outer.outer_parameters, *momentum]):
-                raise ValueError("the checkpoint's outer optimizer state does not fit this run's model")
-            self._offer()
+            self._restore(resume, resume.epoch)
+
+    def _restore(self, checkpoint: Checkpoint, round_: int) -> None:
+        weights = [parameter.detach() for parameter in self.model.parameters()]  # the checkpoint's, loaded before
+        state = (checkpoint.optimizer or {}).get("state", {})
+        momentum = [state[i]["momentum_buffer"] for i in sorted(state) if "momentum_buffer" in state[i]]
+        if not self.outer.set_state(round_, [*weights, *momentum]):
+            raise ValueError("the checkpoint's outer optimizer state does not fit this run's model")
+        self._offer()
 
     @property
     def epoch(self) -> int:
@@ -175,6 +190,12 @@ class OuterStateHolder:
 
     def checkpoint(self, metrics: dict) -> Checkpoint:
         return Checkpoint.from_model(self.model, self.config, self.epoch, metrics, self.outer.outer_optimizer)
+
+    def roll_back(self, checkpoint: Checkpoint, round_: int) -> None:
+        """Serve `checkpoint`'s outer state again, numbered round `round_` (ahead of the swarm, so that peers take it
+        as the newest)."""
+        self.model.load_state_dict(checkpoint.weights)
+        self._restore(checkpoint, round_)
 
     def shutdown(self) -> None:
         if self.has_state:  # joiners stop asking the coordinator at once

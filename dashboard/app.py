@@ -21,8 +21,8 @@ import streamlit as st
 
 from hivetrain.config import RunConfig
 from hivetrain.formatting import fmt_bytes, fmt_pct, fmt_seconds
-from hivetrain.metrics_store import (CheckpointRow, MetricsReader, PeerRow, RunInfo, StoreError, StoreMissing,
-                                     SwarmSnapshot, ValidationRow)
+from hivetrain.metrics_store import (CheckpointRow, MetricsReader, PeerRow, RollbackRow, RunInfo, StoreError,
+                                     StoreMissing, SwarmSnapshot, ValidationRow)
 from hivetrain.records import RunRecord, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +130,12 @@ def leaderboard(peers: list[PeerRow]) -> list[dict]:
              "share %": round(100 * p.samples / total, 1) if total else 0.0} for rank, p in enumerate(ranked, 1)]
 
 
+def rollback_rows(rollbacks: list[RollbackRow]) -> list[dict]:
+    return [{"at swarm epoch": r.epoch, "time": utc(r.time), "top-1": fmt_pct(r.top1), "loss": f"{r.loss:.4g}",
+             "back to epoch": r.best_epoch, "its top-1": fmt_pct(r.best_top1), "served as epoch": r.restored_epoch}
+            for r in rollbacks]
+
+
 def checkpoint_rows(checkpoints: list[CheckpointRow], now: float) -> list[dict]:
     return [{"epoch": c.epoch, "uri": c.uri, "size": fmt_bytes(c.size_bytes),
              "top-1": fmt_pct(c.top1), "time": ago(now - c.time), "best": "★" if c.best else ""}
@@ -176,6 +182,7 @@ class RunView:
     validations: list[ValidationRow]
     checkpoints: list[CheckpointRow]
     best: ValidationRow | None
+    rollbacks: list[RollbackRow]
 
 
 def read_store(path: Path) -> RunView | None:
@@ -190,7 +197,7 @@ def read_store(path: Path) -> RunView | None:
         if run is None:
             return None
         return RunView(run, reader.peers(), reader.snapshots(), reader.validations(), reader.checkpoints(),
-                       reader.best_validation())
+                       reader.best_validation(), reader.rollbacks())
 
 
 # --- rendering --------------------------------------------------------------------------------------------------
@@ -216,7 +223,7 @@ def show_live(store: Path, records_dir: Path) -> None:
     st.dataframe(pd.DataFrame(peer_rows(view.peers, now), columns=columns), hide_index=True)
     show_contributions(view.peers)
     show_training(view.snapshots)
-    show_validation(view.validations, view.best)
+    show_validation(view.validations, view.best, view.rollbacks)
     show_checkpoints(view.checkpoints, now)
     show_baselines(view, records_dir)
 
@@ -275,7 +282,8 @@ def show_training(snapshots: list[SwarmSnapshot]) -> None:
         column.altair_chart(line_chart(data, alt.X("time:T", title=None), y, y))
 
 
-def show_validation(validations: list[ValidationRow], best: ValidationRow | None) -> None:
+def show_validation(validations: list[ValidationRow], best: ValidationRow | None,
+                    rollbacks: list[RollbackRow] = ()) -> None:
     st.subheader("Validation")
     if not validations or best is None:
         st.caption("No validation yet: the coordinator validates after each swarm epoch it is told to.")
@@ -293,9 +301,19 @@ def show_validation(validations: list[ValidationRow], best: ValidationRow | None
         point=True).encode(x=x, y=alt.Y("value:Q", title=None, axis=alt.Axis(format="%")), color="metric:N")
     best_point = alt.Chart(data[data["best"]]).mark_point(
         size=200, shape="diamond", filled=True, color="red").encode(x=x, y="top-1:Q", tooltip=["epoch", "top-1"])
+    chart = accuracy + best_point
+    if rollbacks:  # a rule where each validation that called for a rollback stands
+        marks = pd.DataFrame({"epoch": [r.epoch for r in rollbacks],
+                              "time": [datetime.fromtimestamp(r.time, timezone.utc) for r in rollbacks],
+                              "rollback": [f"back to epoch {r.best_epoch}" for r in rollbacks]})
+        chart += alt.Chart(marks).mark_rule(color="orange", strokeDash=[4, 2]).encode(x=x, tooltip=["rollback"])
     left, right = st.columns(2)
-    left.altair_chart(accuracy + best_point)
+    left.altair_chart(chart)
     right.altair_chart(line_chart(data, x, "loss", "loss"))
+    if rollbacks:
+        st.markdown(f"**{len(rollbacks)} rollback{'s' if len(rollbacks) > 1 else ''}** to the best validated state"
+                    f" (orange on the chart):")
+        st.dataframe(pd.DataFrame(rollback_rows(rollbacks)), hide_index=True)
 
 
 def show_checkpoints(checkpoints: list[CheckpointRow], now: float) -> None:

@@ -16,8 +16,8 @@ from typing import Iterator, Self, TextIO, TypeVar
 from urllib.parse import quote
 
 # 2: the peers' diloco figures (inner steps, pseudo-gradient norm, bytes per round); 3: their training and swarm time;
-# 4: when the monitor saw a peer leave, and its diloco rounds (averaged, alone, failed)
-SCHEMA_VERSION = 4
+# 4: when the monitor saw a peer leave, and its diloco rounds (averaged, alone, failed); 5: the coordinator's rollbacks
+SCHEMA_VERSION = 5
 BUSY_TIMEOUT = 5.0  # seconds a connection waits for a lock held by the other side
 T = TypeVar("T")
 
@@ -36,6 +36,8 @@ SCHEMA = [
     " samples INTEGER)",
     "CREATE TABLE IF NOT EXISTS checkpoints (time REAL, epoch INTEGER, uri TEXT, size_bytes INTEGER, top1 REAL,"
     " best INTEGER)",
+    "CREATE TABLE IF NOT EXISTS rollbacks (time REAL, sequence INTEGER, epoch INTEGER, top1 REAL, loss REAL,"
+    " best_epoch INTEGER, best_top1 REAL, restored_epoch INTEGER)",
 ]
 
 
@@ -117,6 +119,21 @@ class CheckpointRow:
     size_bytes: int
     top1: float | None
     best: bool
+
+
+@dataclass
+class RollbackRow:
+    """The coordinator sent the swarm back to its best validated state: the validation at swarm epoch `epoch` saw
+    `top1` (or a non-finite `loss`), and the best checkpoint's state (of `best_epoch`) went out as `restored_epoch`."""
+
+    time: float
+    sequence: int  # the rollback record's: 1, 2, ... in a run
+    epoch: int
+    top1: float
+    loss: float
+    best_epoch: int
+    best_top1: float
+    restored_epoch: int
 
 
 def _columns(cls: type) -> str:
@@ -247,6 +264,15 @@ class MetricsWriter(_Closing):
                 db.execute("UPDATE checkpoints SET best = 0 WHERE best")
             db.execute(_insert("checkpoints", CheckpointRow), _values(row))
 
+    def add_rollback(self, row: RollbackRow) -> None:
+        with self._transaction() as db:
+            db.execute(_insert("rollbacks", RollbackRow), _values(row))
+
+    def last_rollback_sequence(self) -> int:
+        """The sequence number of the run's last rollback (0: none yet), so that a restarted coordinator counts on."""
+        with self._lock:
+            return self.connection.execute("SELECT coalesce(max(sequence), 0) FROM rollbacks").fetchone()[0]
+
     def close(self) -> None:
         """Closing the lock file releases the flock, so the next coordinator may open the store."""
         with self._lock:
@@ -302,6 +328,9 @@ class MetricsReader(_Closing):
 
     def checkpoints(self) -> list[CheckpointRow]:
         return self._select(CheckpointRow, "checkpoints", "ORDER BY time, rowid")
+
+    def rollbacks(self) -> list[RollbackRow]:
+        return self._select(RollbackRow, "rollbacks", "ORDER BY time, rowid")
 
     def best_validation(self) -> ValidationRow | None:
         """Highest top-1; of equal ones the earliest."""

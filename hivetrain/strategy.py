@@ -36,6 +36,7 @@ from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.robust import RobustAggregation
+from hivetrain.rollback import RollbackRecord, RollbackWatcher, wait_for_state
 from hivetrain.swarm import (RECORD_LIFETIME, DHTOptions, group_matchmaking, keeping_sigint, start_dht,
                              withdraw_records)
 
@@ -83,6 +84,9 @@ class HivemindOptions:
     clip_radius: float = 1.0
     trim_fraction: float = 0.25
     target_group_size: Optional[int] = None  # G: average in groups of at most G peers (None: one group), either mode
+    # The subkey the run record was signed under (hivetrain.swarm.fetch_run): this peer goes back to the best validated
+    # state when a rollback record signed by it says so (hivetrain.rollback). None: no rollbacks.
+    coordinator_key: Optional[bytes] = None
 
 
 class HivemindStrategy(SingleDeviceStrategy):
@@ -140,6 +144,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
         self._withdrawn = False  # sync mode: this peer's records are withdrawn (diloco: rounds.withdrawn)
         self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
+        self._rollback_watcher: Optional[RollbackWatcher] = None
+        self.last_rollback: Optional[RollbackRecord] = None  # the coordinator's last rollback this peer took
+        self.rollbacks_taken = 0
 
     # --- the swarm ----------------------------------------------------------------------------------------------
 
@@ -214,6 +221,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         for scheduler in schedulers:
             check_scheduler(scheduler, self.optimizers[0])
         self._replaced = _ReplacedForSwarm.take(self)
+        if self.options.coordinator_key is not None:
+            self._rollback_watcher = RollbackWatcher(self.dht, self.options.run_id, self.options.coordinator_key)
+            self._rollback_watcher.start()
         if self.options.mode == "diloco":
             self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
             self._setup_diloco()
@@ -261,7 +271,23 @@ class HivemindStrategy(SingleDeviceStrategy):
                 if not finite:
                     optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
                 self._follow_swarm_schedule(in_optimizer_step=True)
+        self._follow_rollback(optimizer)
         return output
+
+    def _follow_rollback(self, optimizer) -> None:
+        """Between two steps: when the coordinator has rolled the swarm back, load the state it serves (numbered ahead
+        of this peer's, so hivemind takes it as the newest)."""
+        record = self._rollback_watcher.take(self.local_epoch) if self._rollback_watcher is not None else None
+        if record is None:
+            return
+        if self.rounds is not None:
+            reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+            optimizer.state.clear()  # the inner statistics belong to the training that went wrong
+            self._follow_swarm_schedule(in_optimizer_step=True)
+        else:
+            reached = wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch, record)
+        if reached:  # else wait_for_state said why, and the next validation decides again
+            self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
 
     def leave_swarm(self) -> None:
         """Withdraw this peer's records now, once: the others stop counting it at their next look, and no longer wait
@@ -281,6 +307,9 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._rollback_watcher is not None:
+            self._rollback_watcher.stop()
+            self._rollback_watcher = None
         # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
             self.leave_swarm()

@@ -404,11 +404,19 @@ def fetch_run_config(
 ) -> RunConfig:
     """The newest manifest published in the swarm: the one of run `run_id` when given, preferring one published by an
     initial peer (the coordinator the user named)."""
+    return fetch_run(dht, run_id, initial_peers, timeout)[0]
+
+
+def fetch_run(
+    dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: list[str] = (), timeout: float = 15.0
+) -> tuple[RunConfig, bytes]:
+    """fetch_run_config, and the subkey its record was signed under (the coordinator's public key): the one key whose
+    rollback records (hivetrain.rollback) this peer obeys."""
     deadline = time.monotonic() + timeout
     while True:
         records = _read_run_records(dht)
         if run_id is not None:
-            records = [(r, c) for r, c in records if r.run_id == run_id]
+            records = [(r, c, k) for r, c, k in records if r.run_id == run_id]
         if records:
             break
         if time.monotonic() > deadline:
@@ -420,13 +428,13 @@ def fetch_run_config(
         time.sleep(0.5)
     named_ids = {part for addr in initial_peers for part in addr.split("/p2p/")[1:]}
     records.sort(key=lambda rc: (rc[0].coordinator in named_ids, rc[0].time), reverse=True)
-    run_ids = sorted({r.run_id for r, _ in records})
-    newest, config = records[0]
+    run_ids = sorted({r.run_id for r, _, _ in records})
+    newest, config, signer = records[0]
     if run_id is None and len(run_ids) > 1 and newest.coordinator not in named_ids:
         raise SwarmError(f"the swarm holds several runs ({', '.join(run_ids)}): choose one with --run-id")
     # From here on this node refuses what the run's readers could not use, and forgets what it took in before.
     guard_run_keys(dht, config.run_id)
-    return config
+    return config, signer
 
 
 def _add_run_record_validators(dht: hivemind.DHT) -> None:
@@ -437,12 +445,12 @@ def _add_run_record_validators(dht: hivemind.DHT) -> None:
     guard_keys(dht, [KeyRule(RUN_KEY, "signed", _RunRecord)])
 
 
-def _read_run_records(dht: hivemind.DHT) -> list[tuple[_RunRecord, RunConfig]]:
-    """The run records in the swarm with their configurations; a record whose configuration does not load, or does
-    not match its fingerprint and run, is skipped with a warning."""
+def _read_run_records(dht: hivemind.DHT) -> list[tuple[_RunRecord, RunConfig, bytes]]:
+    """The run records in the swarm with their configurations and the subkeys they were signed under; a record whose
+    configuration does not load, or does not match its fingerprint and run, is skipped with a warning."""
     _add_run_record_validators(dht)
     usable = []
-    for record in read_records(dht, RUN_KEY, _RunRecord):
+    for signer, record in read_signed_records(dht, RUN_KEY, _RunRecord):
         try:
             config = RunConfig.from_json(record.config)
         except Exception as e:  # JSON, or a field RunConfig refuses
@@ -451,7 +459,7 @@ def _read_run_records(dht: hivemind.DHT) -> list[tuple[_RunRecord, RunConfig]]:
         if (config.fingerprint, config.run_id) != (record.fingerprint, record.run_id):
             warn_skipped(RUN_KEY, "malformed", "its configuration does not match its fingerprint and run")
             continue
-        usable.append((record, config))
+        usable.append((record, config, signer))
     return usable
 
 
@@ -459,9 +467,16 @@ def read_records(dht: hivemind.DHT, key: str, schema: type[Record], timeout: flo
     """Every live entry under a DHT key with subkeys, each parsed with `schema`. What a reader cannot use (a malformed
     or unsigned entry, one expiring far ahead, a plain value in place of the entries) is skipped with a rate-limited
     warning, a cleared entry (None: its owner left) silently: nothing a peer wrote stops the reader."""
+    return [record for _, record in read_signed_records(dht, key, schema, timeout)]
+
+
+def read_signed_records(dht: hivemind.DHT, key: str, schema: type[Record],
+                        timeout: float = DHT_READ_TIMEOUT) -> list[tuple[bytes, Record]]:
+    """read_records, each record with the subkey it was stored under: its writer's public key, which signed it."""
     try:  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
         found = dht.get(key, latest=True, return_future=True).result(timeout=timeout)
     except TimeoutError:
         logger.warning(f"Reading {key} from the DHT timed out")
         return []
-    return [record for _, _, record in usable_entries(key, found.value if found is not None else None, schema)]
+    return [(subkey, record) for subkey, _, record in usable_entries(key, found.value if found is not None else None,
+                                                                        schema)]

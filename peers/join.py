@@ -171,7 +171,7 @@ def _join(args: argparse.Namespace) -> int:
     from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
     from hivetrain.swarm import (
-        DHTOptions, StayConnected, SwarmError, fetch_run_config, listen_maddr, one_line_per_event,
+        DHTOptions, StayConnected, SwarmError, fetch_run, listen_maddr, one_line_per_event,
         resolve_initial_peers, start_dht,
     )
 
@@ -211,7 +211,7 @@ def _join(args: argparse.Namespace) -> int:
     try:
         dht = start_dht(network, while_connecting=training_stack.start)
         StayConnected(dht, initial_peers).start()  # a restarted coordinator finds this peer again
-        config = fetch_run_config(dht, args.run_id, initial_peers, timeout=args.config_timeout)
+        config, coordinator_key = fetch_run(dht, args.run_id, initial_peers, timeout=args.config_timeout)
         if expected is not None:  # the run's name may differ; everything that shapes training may not
             expected = expected.replace(run_id=config.run_id)
         if expected is not None and expected.fingerprint != config.fingerprint:
@@ -226,7 +226,7 @@ def _join(args: argparse.Namespace) -> int:
                 f" start a run with coordinator/start.py --mode diloco"
             )
         training_stack.join()  # its imports must not be half done when the averagers fork
-        return _train(args, dht, config, client_mode)
+        return _train(args, dht, config, client_mode, coordinator_key=coordinator_key)
     except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -245,9 +245,11 @@ def _import_training_stack() -> None:
     import peers.progress  # noqa: F401
 
 
-def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: int | None = None) -> int:
+def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: int | None = None,
+           coordinator_key: bytes | None = None) -> int:
     """Train with the swarm. `dht` is None on the other ranks of a peer on several devices (they never touch the
-    swarm); rank 0, or a peer on one device, holds it."""
+    swarm); rank 0, or a peer on one device, holds it. `coordinator_key` signed the run record: a peer on one device
+    obeys the rollback records it signs (a peer on several devices does not watch for them yet)."""
     import logging
 
     import lightning.pytorch as pl
@@ -317,6 +319,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         trim_fraction=swarm.trim_fraction,
         target_group_size=swarm.target_group_size,
         verbose=args.verbose,
+        coordinator_key=coordinator_key if devices == 1 else None,
     )
     if devices == 1:
         strategy = HivemindStrategy(options, dht=dht, device=torch.device(device))

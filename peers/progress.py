@@ -39,6 +39,7 @@ class SwarmProgress(pl.Callback):
         self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
         self.missed_rounds = 0  # swarm rounds it missed or could not average
         self.states_served = 0  # diloco: state downloads it answered for joiners (and the coordinator)
+        self.rollbacks = 0  # the coordinator's rollbacks this peer took (HivemindStrategy.rollbacks_taken)
         self._train_started: Optional[float] = None
         self._publishing = threading.Lock()  # the training thread's last record and the publishing thread's
         self._stop_publishing = threading.Event()
@@ -106,6 +107,12 @@ class SwarmProgress(pl.Callback):
             with self._publishing:
                 self._recent_losses.append(self._losses[-1])
         epoch = trainer.strategy.local_epoch
+        if getattr(trainer.strategy, "rollbacks_taken", 0) != self.rollbacks:
+            self.rollbacks = trainer.strategy.rollbacks_taken
+            if speaks:
+                self._print_rollback_line(trainer, pl_module, trainer.strategy.last_rollback)
+            # the jump to the restored state's epoch is no epoch this peer trained
+            self.epoch, self._epoch_started, self._losses = epoch, time.monotonic(), []
         if epoch != self.epoch:
             now = time.monotonic()
             if speaks:
@@ -124,6 +131,14 @@ class SwarmProgress(pl.Callback):
                     swarm_seconds=trainer.strategy.swarm_seconds, **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
                 f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
+        bar = trainer.progress_bar_callback
+        bar.print(line) if bar is not None else print(line, flush=True)
+
+    def _print_rollback_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record) -> None:
+        epoch = trainer.strategy.local_epoch
+        self.events("rollback", sequence=record.sequence, best_epoch=record.epoch, epoch=epoch)
+        line = (f"Rolled back to the best validated state (swarm epoch {record.epoch}, top-1 {record.top1:.1%}): the"
+                f" coordinator saw {record.reason} | now at swarm epoch {epoch} | params {parameter_digest(pl_module)}")
         bar = trainer.progress_bar_callback
         bar.print(line) if bar is not None else print(line, flush=True)
 

@@ -12,7 +12,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from hivetrain.config import get_preset
-from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RunInfo, SwarmSnapshot, ValidationRow
+from hivetrain.metrics_store import (CheckpointRow, MetricsWriter, PeerRow, RollbackRow, RunInfo, SwarmSnapshot,
+                                     ValidationRow)
 from hivetrain.records import read_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,6 +162,22 @@ def test_validation_against_wall_time(monkeypatch, tmp_path):
     assert not at.exception
     assert at.radio[0].value == "wall time"
     assert '"type": "temporal"' in at.get(CHART)[4].proto.spec
+
+
+def test_a_rollback_is_marked_on_the_accuracy_chart_and_listed(monkeypatch, tmp_path):
+    store = tmp_path / "metrics.sqlite"
+    write_run(store, [peer("alpha", 900, 3)], [0.5, 0.8, 0.1])
+    rolled_back = time.time() - 25
+    with MetricsWriter(store) as writer:  # the validation of epoch 3 fell to 10%: back to epoch 2's state
+        writer.add_rollback(RollbackRow(rolled_back, 1, 3, 0.1, float("nan"), 2, 0.8, 6))
+    at = run_app(monkeypatch, store, tmp_path)
+    assert any("**1 rollback** to the best validated state" in m.value for m in at.markdown)
+    table = at.dataframe[-1].value
+    assert table.to_dict("records") == [{"at swarm epoch": 3, "time": app.utc(rolled_back), "top-1": "10.00%",
+                                         "loss": "nan", "back to epoch": 2, "its top-1": "80.00%",
+                                         "served as epoch": 6}]
+    accuracy = at.get(CHART)[4].proto
+    assert '"mark": {"type": "rule"' in accuracy.spec and "back to epoch 2" in str(accuracy)  # its data: a dataset
 
 
 # --- a finished run ---------------------------------------------------------------------------------------------

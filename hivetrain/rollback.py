@@ -1,0 +1,138 @@
+"""Rollback to the best validated state: the coordinator's signed order to the peers, and a peer's watch for it.
+
+When the coordinator's validation sees top-1 fall far below the best, or a non-finite loss, it serves the best
+checkpoint's state again (numbered a little ahead of the swarm, so that every peer takes it as the newest) and
+publishes a RollbackRecord under `<run_id>_rollback`, signed exactly as the run record is: an entry whose subkey is
+its writer's public key, signed with it (hivemind's RSASignatureValidator). A peer trusts only the key that signed the
+run record it joined with (hivetrain.swarm.fetch_run), acts once per sequence number, and skips, with one
+rate-limited warning each, an entry signed by another key, of another run, or naming a state it already holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
+
+from hivetrain.record_guard import KeyRule, guard_keys, warn_skipped
+from hivetrain.swarm import DHT_READ_TIMEOUT, RUN_RECORD_TTL, read_signed_records
+
+logger = logging.getLogger(__name__)
+
+WATCH_EVERY = 2.0  # seconds between a peer's looks for a rollback: well inside the 10 s allowed beyond validation
+# Rounds (swarm epochs) the rolled-back state is numbered ahead of the swarm's latest: a peer that finishes one more
+# round before it sees the record is still behind it, so it takes the rolled-back state rather than its own.
+ROUNDS_AHEAD = 3
+
+
+def rollback_key(run_id: str) -> str:
+    return f"{run_id}_rollback"
+
+
+class RollbackRecord(BaseModel):
+    run_id: StrictStr
+    sequence: StrictInt  # 1, 2, ... per run: a peer acts once on each
+    epoch: StrictInt  # the swarm epoch of the best checkpoint the state comes from
+    top1: StrictFloat  # that checkpoint's top-1
+    round: StrictInt  # the swarm epoch (diloco: outer round) the rolled-back state carries
+    reason: StrictStr  # what the coordinator saw, for the peers' line: "top-1 fall to 9.8%", "the loss turn nan"
+    time: StrictFloat
+
+
+def rollback_rules(run_id: str) -> list[KeyRule]:
+    return [KeyRule(rollback_key(run_id), "signed", RollbackRecord)]
+
+
+def publish_rollback(dht: hivemind.DHT, record: RollbackRecord, ttl: float = RUN_RECORD_TTL) -> bool:
+    """Store `record` under the run's rollback key, signed with this process's key as the run record is (the
+    coordinator refreshes both alike)."""
+    guard_keys(dht, rollback_rules(record.run_id))
+    return dht.store(rollback_key(record.run_id), subkey=RSASignatureValidator().local_public_key,
+                     value=record.dict(), expiration_time=get_dht_time() + ttl)
+
+
+def read_rollback(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
+                  timeout: float = DHT_READ_TIMEOUT) -> Optional[RollbackRecord]:
+    """The coordinator's newest rollback record of run `run_id`, if any. `coordinator_key` is the subkey the run record
+    was signed under; entries under other keys, or naming another run, are skipped with a rate-limited warning."""
+    key = rollback_key(run_id)
+    guard_keys(dht, rollback_rules(run_id))
+    newest = None
+    for subkey, record in read_signed_records(dht, key, RollbackRecord, timeout):
+        if subkey != coordinator_key:
+            warn_skipped(key, "not signed by the run's coordinator")
+        elif record.run_id != run_id:
+            warn_skipped(key, "malformed", f"it names run {record.run_id!r}")
+        elif newest is None or record.sequence > newest.sequence:
+            newest = record
+    return newest
+
+
+class RollbackWatcher:
+    """A peer's watch: a thread reads the rollback key every `every` seconds; `take(round_)` hands the training loop a
+    record to act on, once per sequence number. A record whose state is not ahead of the peer's round is stale (the
+    peer joined after it, or already holds a newer state): skipped with a warning."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes, every: float = WATCH_EVERY):
+        self.dht, self.run_id, self.coordinator_key, self.every = dht, run_id, coordinator_key, every
+        self._newest: Optional[RollbackRecord] = None
+        self._acted_on = 0  # the last sequence number taken or skipped
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rollback-watcher", daemon=True)
+
+    def start(self) -> RollbackWatcher:
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                record = read_rollback(self.dht, self.run_id, self.coordinator_key)
+            except Exception as e:  # the DHT is shutting down, or a read failed: look again later
+                logger.debug(f"Could not read the rollback record: {type(e).__name__}: {e}")
+                record = None
+            if record is not None:
+                with self._lock:
+                    self._newest = record
+            self._stop.wait(self.every)
+
+    def take(self, round_: int) -> Optional[RollbackRecord]:
+        """The newest record not yet acted on, when its state is ahead of `round_` (this peer's swarm epoch)."""
+        with self._lock:
+            record = self._newest
+            if record is None or record.sequence <= self._acted_on:
+                return None
+            self._acted_on = record.sequence
+        if record.round <= round_:
+            warn_skipped(rollback_key(self.run_id), "stale",
+                         f"rollback {record.sequence} is to swarm epoch {record.round}, this peer is at {round_}")
+            return None
+        return record
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=DHT_READ_TIMEOUT + self.every)
+
+
+def wait_for_state(load, current_round, record: RollbackRecord, deadline_seconds: float = 30.0) -> bool:
+    """Download the swarm's state (`load()`) until this peer's round (`current_round()`) reaches the rolled-back
+    state's: the coordinator serves it first (it is numbered ahead of everyone), but a download may fail or reach a
+    peer that took it already. True when reached."""
+    deadline = time.monotonic() + deadline_seconds
+    while True:
+        load()
+        if current_round() >= record.round:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning(f"Could not load the rolled-back state of swarm epoch {record.round} within"
+                           f" {deadline_seconds:.0f} s: training on from swarm epoch {current_round()}")
+            return False
+        time.sleep(1.0)
