@@ -146,6 +146,13 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         started_round, self.round = self.round, self.round + 1
         averaged = False
         if timeout is not None:
+            if self.aggregation is not None:
+                # A robust aggregate outvotes an attacker only while the honest copies agree. A groupmate from an
+                # earlier round is honest but far from the others: in a group of three with it, the attacker's copy
+                # moved the result that far (tests/test_attacks.py saw two honest peers end at 29% top-1). Robust runs
+                # group only peers of the same round (its last two bits in the group key); a peer that fell behind
+                # finds no group, takes its own step, and loads the swarm's state at its next look.
+                self.set_group_bits(f"{started_round % 4:02b}")
             try:
                 # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
                 # progress, and a slow peer after its current step.

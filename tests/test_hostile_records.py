@@ -82,6 +82,7 @@ def averager_keys(run_id: str) -> dict[str, str]:
     keys = {}
     for prefix in (f"{run_id}_grad_averager", f"{run_id}_state_averager", outer_state_prefix(run_id)):
         keys[f"{prefix}.all_averagers"], keys[f"{prefix}.0b"] = "state_sharing", "matchmaking"
+    keys.update({f"{outer_state_prefix(run_id)}.0b{bits:02b}": "matchmaking" for bits in range(4)})  # robust rounds
     return keys
 
 

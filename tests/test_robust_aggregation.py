@@ -157,3 +157,27 @@ def test_sorting_the_copies_matches_torch_sort_and_moves_the_weights_along(count
     for column in range(0, 300, 37):
         before = sorted(zip(copies[:, column].tolist(), weights.tolist()))
         assert sorted(zip(values[:, column].tolist(), value_weights[:, column].tolist())) == before
+
+
+def test_a_robust_diloco_round_groups_only_peers_of_the_same_round(four_dhts):
+    """Three outer states at round 5 and one still at round 4: the three average together, the one behind finds no
+    group (its honest but stale copy would have widened the spread an attacker's copy may move the result by)."""
+    from hivetrain.diloco import OuterState
+
+    prefix = f"robust_rounds_{next(_prefixes)}"
+    states = [OuterState([torch.full((1000,), float(i))], dht, prefix, outer_lr=1.0, outer_momentum=0.0,
+                         aggregation=RobustAggregation("centered-clip"), min_matchmaking_time=2.0,
+                         request_timeout=1.0, allreduce_timeout=30.0) for i, dht in enumerate(four_dhts)]
+    try:
+        for state, round_ in zip(states, (5, 5, 5, 4)):
+            state.round = round_
+        with concurrent.futures.ThreadPoolExecutor(len(states)) as pool:
+            rounds = [pool.submit(state.outer_step, [torch.full((1000,), float(i))], 1.0, 15.0)
+                      for i, state in enumerate(states)]
+            results = [round_.result() for round_ in rounds]
+        assert results == [True, True, True, None]
+        assert [state.last_group_size for state in states] == [3, 3, 3, 1]
+        assert [state.round for state in states] == [6, 6, 6, 5]
+    finally:
+        for state in states:
+            state.shutdown()
