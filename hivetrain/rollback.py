@@ -51,7 +51,7 @@ def rollback_rules(run_id: str) -> list[KeyRule]:
 
 def publish_rollback(dht: hivemind.DHT, record: RollbackRecord, ttl: float = RUN_RECORD_TTL) -> bool:
     """Store `record` under the run's rollback key, signed with this process's key as the run record is (the
-    coordinator refreshes both alike)."""
+    coordinator refreshes both alike). Returns hivemind's answer: that of the last node to reply."""
     guard_keys(dht, rollback_rules(record.run_id))
     return dht.store(rollback_key(record.run_id), subkey=RSASignatureValidator().local_public_key,
                      value=record.dict(), expiration_time=get_dht_time() + ttl)
