@@ -27,7 +27,7 @@ def test_scale_smoke():
     # a coordinator that only monitors holds no state: the joiner's download was answered by a training peer
     assert storm["served"]["coordinator"] == 0
     assert sum(count for holder, count in storm["served"].items() if "-peer-" in holder) >= 1
-    assert page.startswith("# Scale") and "shared 2-core machine" in page and "\n| 2 |  | " in page
+    assert page.startswith("# Scale") and "2-core machine that every peer" in page and "\n| 2 |  | " in page
     for size in ("100", "1,000", "10,000"):
         assert f"\n| {size} |" in page
     assert "not measured" in page and "| a joiner storm on the state holders |" in page
