@@ -20,7 +20,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
 from hivetrain.diloco import OuterState, outer_state_prefix
-from hivetrain.hivemind_internals import catch_up_schedule
+from hivetrain.hivemind_internals import catch_up_schedule, named_for_rpc_as
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
@@ -35,6 +35,7 @@ def make_state_holder(dht: hivemind.DHT, config: RunConfig, resume: Optional[Che
     return holder(dht, config, resume, device=device)
 
 
+@named_for_rpc_as(TrainingStateAverager)  # peers download the state under hivemind's name
 class CountingStateAverager(TrainingStateAverager):
     """hivemind's state averager that counts the state downloads it answers (the coordinator's `look` events)."""
 
@@ -46,11 +47,6 @@ class CountingStateAverager(TrainingStateAverager):
         # hivemind asks the host process for the state once per download it answers (rpc_download_state)
         self.states_served += 1
         return super().get_current_state()
-
-
-# hivemind names a servicer's RPC protocols after its class ("TrainingStateAverager.rpc_download_state" in the peers'
-# state averagers): under a name of its own the coordinator served nobody, and no peer could download from it.
-CountingStateAverager.__name__ = TrainingStateAverager.__name__
 
 
 class StateHolder:

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import hivemind
 import hivemind.averaging.averager
@@ -351,9 +351,21 @@ class RobustAveraging:
                 raise ValueError("aux peers should not receive averaged tensors")
 
 
+def named_for_rpc_as(averager_class: type) -> Callable[[type], type]:
+    """A class decorator: the decorated subclass of `averager_class` takes its name. hivemind names a servicer's RPC
+    protocols after its class ("TrainingStateAverager.rpc_download_state"), so a subclass under a name of its own
+    serves nobody, and no peer can download the state from it or average with it."""
+
+    def rename(subclass: type) -> type:
+        subclass.__name__ = averager_class.__name__
+        return subclass
+
+    return rename
+
+
 @functools.cache
 def robust_averager_class(averager_class: type) -> type:
-    """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging mixed in. It keeps the class's name:
-    hivemind names its RPC handlers after the class, and the coordinator serves the state under the plain name."""
-    return type(averager_class.__name__, (RobustAveraging, averager_class),
-                {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"})
+    """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging mixed in, under its name (RPC)."""
+    return named_for_rpc_as(averager_class)(type(
+        f"Robust{averager_class.__name__}", (RobustAveraging, averager_class),
+        {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))

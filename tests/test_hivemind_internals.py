@@ -86,3 +86,19 @@ def test_a_dht_survives_many_large_stores_at_once():
         assert dht.is_alive() and dht.get("key299", latest=True).value == value + bytes([299 % 256])
     finally:
         dht.shutdown()
+
+
+def test_averager_subclasses_answer_under_hiveminds_rpc_names():
+    """Peers call a state holder's RPCs by hivemind's class names ("TrainingStateAverager.rpc_download_state"): the
+    coordinator's counting state averager and every robust averager must answer under them."""
+    from hivemind.averaging import DecentralizedAverager
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    from coordinator.state import CountingStateAverager
+
+    for subclass, base in ((CountingStateAverager, TrainingStateAverager),
+                           (hivemind_internals.robust_averager_class(TrainingStateAverager), TrainingStateAverager),
+                           (hivemind_internals.robust_averager_class(DecentralizedAverager), DecentralizedAverager)):
+        assert issubclass(subclass, base) and subclass is not base
+        assert (subclass._get_handle_name("run", "rpc_download_state")
+                == base._get_handle_name("run", "rpc_download_state"))
