@@ -93,12 +93,13 @@ def swarm_window(coordinator: Process, peers: list[Process]) -> dict:
 
 def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
               timeout: float, preset: str = "demo", until: Optional[Callable[[], bool]] = None,
-              network=None) -> tuple[Process, list[Process]]:
+              network=None, programs: Optional[dict[int, list[str]]] = None) -> tuple[Process, list[Process]]:
     """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
     `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
     holds (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
     roles, their output kept. With `network` (benchmarks.netns.LinkedNamespaces), the coordinator and peer 0 run in
-    its namespace a and peer 1 in b, so that everything between the two peers crosses its link."""
+    its namespace a and peer 1 in b, so that everything between the two peers crosses its link. `programs`: by peer
+    index, what runs in place of peers/join.py (benchmarks.harness.start_peer)."""
     roles: list[Process] = []
     try:
         options = [*MONITOR_ONLY, *coordinator_options]
@@ -115,7 +116,8 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
             roles.append(start_peer(work, f"{name}-peer-{index}", addresses, [
                 "--threads", "1", "--min-peers", str(peers), "--seed", str(index), "--progress-bar", "off", *where,
                 *(option.replace("{index}", str(index)) for option in peer_options)],
-                prefix=[] if network is None else network.exec_prefix(side)))
+                prefix=[] if network is None else network.exec_prefix(side),
+                program=(programs or {}).get(index, ("peers/join.py",))))
         deadline = time.monotonic() + timeout
         while until is not None and not until():
             if time.monotonic() > deadline:

@@ -2,83 +2,125 @@
 demo preset under each defence, and what a defence costs when nobody attacks. Its section lands in
 logbook/reliability.md, beside the faults a swarm survives.
 
-Every run: a coordinator and four peers (one torch thread each, waiting for all four) that train DEFENCE_ROUNDS outer
-rounds of INNER_STEPS inner steps and leave, the schedule stretched for four peers (hivetrain.config's
-diloco_schedule_flags). In an attacked run one of the four is benchmarks/attacks.py with the attack. Top-1: the
+Every run: a coordinator and four peers (one torch thread each, waiting for all four) that train `rounds` outer rounds
+of INNER_STEPS inner steps and leave, the schedule stretched for four peers (hivetrain.config's
+diloco_schedule_flags). In an attacked run the last of the four is benchmarks/attacks.py with the attack. Top-1: the
 honest peers' saved weights on the whole validation split. Samples/s: each honest peer's samples over its training
 time (its goodbye event), summed.
+
+Robust aggregation (centered-clip, trimmed-mean) is a defence against every round; rollback is one against a run
+that has already lost its good state. Its runs: the coordinator validates every swarm epoch with --rollback-drop, and
+the attacker plays honest for ROLLBACK_FROM rounds first (ATTACK@R), so that there is a validated state to go back to.
+Measured there: how long from the first poisoned state to every honest peer training on the restored one.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
-
-from benchmarks.harness import Process, start_coordinator, start_peer
+from typing import Optional
 
 PEERS = 4
 INNER_STEPS = 8
 ROUNDS, SMOKE_ROUNDS = 8, 2
 ATTACKS = ("scale:-10", "scale:1000", "noise", "replay")  # benchmarks/attacks.py's, each with one factor
-DEFENCES = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip"]}
-TOP1_POINTS, OVERHEAD = 2.0, 0.10  # targets: a defended run within 2 points of the honest one; at most 10% slower
+DEFENCES = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip"],
+            "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}  # the coordinator's options for each
+ROLLBACK_DROP = 20  # top-1 points: the scale attacks drag an undefended run to about chance (10%)
+ROLLBACK = ["--validate-every", "1", "--rollback-drop", str(ROLLBACK_DROP)]
+ROLLBACK_FROM = 3  # the attacker's first malicious round in a rollback run
+ROLLBACK_ATTACKS = ("scale:-10", "scale:1000")  # the attacks whose undefended runs fall further than ROLLBACK_DROP
+# targets: a robust run within 2 points of the honest one; at most 10% slower; back on the restored state within one
+# validation interval plus 10 s
+TOP1_POINTS, OVERHEAD, ROLLBACK_SLACK_S = 2.0, 0.10, 10.0
 
 
-def defended_run(work: Path, name: str, defence: str, attack: str | None, rounds: int) -> dict:
-    """One run: `attack` (None: four honest peers) under `defence`; the honest peers' top-1 and samples/s, and the
-    rounds the attacker averaged with the others (the coordinator's store)."""
-    from benchmarks.bench import MONITOR_ONLY, evaluate_weights
+def defended_run(work: Path, name: str, defence: str, attack: Optional[str], rounds: int,
+                 coordinator_options: list[str]) -> dict:
+    """One run: `attack` (None: four honest peers) against a coordinator with `coordinator_options`; the honest
+    peers' top-1 and samples/s, and the rounds the attacker averaged with the others (the coordinator's store)."""
+    from benchmarks.bench import evaluate_weights, run_swarm
     from benchmarks.churn import peer_rows
     from hivetrain.config import diloco_schedule_flags, get_preset
 
-    roles: list[Process] = []
-    try:
-        coordinator, addresses = start_coordinator(work, name, [
-            *MONITOR_ONLY, "--mode", "diloco", "--inner-steps", str(INNER_STEPS), "--refresh", "2",
-            *diloco_schedule_flags(get_preset("demo"), PEERS), *DEFENCES[defence]])
-        roles.append(coordinator)
-        honest = PEERS - (attack is not None)
-        common = ["--threads", "1", "--min-peers", str(PEERS), "--stop-at-epoch", str(rounds), "--progress-bar", "off"]
-        peers = [start_peer(work, f"{name}-peer-{i}", addresses, [
-            *common, "--seed", str(i), "--save-weights", str(work / f"{name}-peer-{i}.safetensors")])
-            for i in range(honest)]
-        roles += peers
-        if attack is not None:
-            roles.append(Process(["benchmarks/attacks.py", attack, "--initial-peers", *addresses, "--name",
-                                  f"{name}-attacker", *common, "--seed", str(honest)], work / f"{name}-attacker.log",
-                                 events=work / f"{name}-attacker.events"))
-        for role in roles[1:]:
-            if role.wait(timeout=600) != 0:
-                raise RuntimeError(f"a peer of {name} failed (exit code {role.popen.returncode}); see {role.log}")
-        left = [peer.event("left") for peer in peers]
-        top1 = evaluate_weights([work / f"{name}-peer-{i}.safetensors" for i in range(honest)])
-        attacker_rounds = None
-        if attack is not None:
-            [row] = [p for p in peer_rows(work / name / "metrics.sqlite").values() if p.name == f"{name}-attacker"]
-            attacker_rounds = row.rounds_averaged or 0
-        return dict(defence=defence, attack=attack, rounds=rounds, top1=top1, attacker_rounds=attacker_rounds,
-                    samples_per_s=sum(event["samples"] / event["train_seconds"] for event in left))
-    finally:
-        for role in reversed(roles):
-            role.stop()
+    attacker = PEERS - 1 if attack is not None else None
+    _, peers = run_swarm(
+        work, name, PEERS,
+        ["--mode", "diloco", "--inner-steps", str(INNER_STEPS), "--refresh", "2",
+         *diloco_schedule_flags(get_preset("demo"), PEERS), *coordinator_options],
+        ["--stop-at-epoch", str(rounds), "--save-weights", str(work / f"{name}-peer-{{index}}.safetensors")],
+        timeout=900, programs={} if attacker is None else {attacker: ["benchmarks/attacks.py", attack]})
+    honest = peers[:attacker]
+    left = [peer.event("left") for peer in honest]
+    attacker_rounds = None
+    if attacker is not None:
+        [row] = [p for p in peer_rows(work / name / "metrics.sqlite").values() if p.name == f"{name}-peer-{attacker}"]
+        attacker_rounds = row.rounds_averaged or 0
+    return dict(defence=defence, attack=attack, rounds=rounds, attacker_rounds=attacker_rounds,
+                top1=evaluate_weights([work / f"{name}-peer-{i}.safetensors" for i in range(len(honest))]),
+                samples_per_s=sum(event["samples"] / event["train_seconds"] for event in left),
+                honest=[dict(epochs=peer.events("epoch"), rollbacks=peer.events("rollback")) for peer in honest])
+
+
+def rollback_recovery(validation_times: list[float], rollbacks: list[dict], honest: list[dict],
+                      from_round: int) -> dict:
+    """What a rollback run shows: `validation_times` and `rollbacks` (the coordinator's store, RollbackRow fields)
+    and each honest peer's epoch and rollback events. Poisoned: the first epoch event of a state the attacker's round
+    `from_round` went into (swarm epoch from_round + 1). Back: each honest peer's first rollback event (printed at its
+    first step on the restored state). None where it never happened."""
+    poisoned = [event["time"] for peer in honest for event in peer["epochs"] if event["epoch"] > from_round]
+    back = [min((event["time"] for event in peer["rollbacks"]), default=None) for peer in honest]
+    before = sorted(t for t in validation_times if not rollbacks or t <= rollbacks[0]["time"])
+    first = rollbacks[0] if rollbacks else None
+    return dict(
+        rollbacks=len(rollbacks),
+        fell_to=None if first is None else first["top1"],
+        restored_top1=None if first is None else first["best_top1"],
+        recovery_s=(max(back) - min(poisoned)) if poisoned and back and None not in back else None,
+        validation_interval_s=statistics.median(b - a for a, b in zip(before, before[1:])) if len(before) > 1 else None,
+    )
+
+
+def rollback_run(work: Path, attack: str, rounds: int) -> dict:
+    from hivetrain.metrics_store import MetricsReader
+
+    name = f"{attack.replace(':', '')}-rollback"
+    run = defended_run(work, name, "rollback", f"{attack}@{ROLLBACK_FROM}", rounds, ROLLBACK)
+    with MetricsReader(work / name / "metrics.sqlite") as reader:
+        validation_times = [row.time for row in reader.validations()]
+        rollbacks = [vars(row) for row in reader.rollbacks()]
+    run.update(attack=attack, from_round=ROLLBACK_FROM,
+               **rollback_recovery(validation_times, rollbacks, run["honest"], ROLLBACK_FROM))
+    return run
 
 
 def attacks_suite(work: Path, smoke: bool) -> dict:
-    """Four honest peers under each defence, then each attack under each defence. A smoke run: the honest run and
-    scale:1000 under centered-clip, two rounds each."""
+    """Four honest peers under each defence, then each attack under each defence, then rollback against the attacks
+    that need it. A smoke run: the honest run and scale:1000 under centered-clip, two rounds each (rollback has its
+    end-to-end test in tests/test_rollback.py)."""
     rounds = SMOKE_ROUNDS if smoke else ROUNDS
     defences = ["centered-clip"] if smoke else list(DEFENCES)
     attacks = ATTACKS[1:2] if smoke else ATTACKS
     runs = []
     for defence in defences:
-        runs.append(defended_run(work, f"honest-{defence}", defence, None, rounds))
+        runs.append(defended_run(work, f"honest-{defence}", defence, None, rounds, DEFENCES[defence]))
         print(f"honest, {defence}: top-1 {min(runs[-1]['top1']):.3f}, {runs[-1]['samples_per_s']:.0f} samples/s",
               flush=True)
     for attack in attacks:
         for defence in defences:
-            runs.append(defended_run(work, f"{attack.replace(':', '')}-{defence}", defence, attack, rounds))
+            runs.append(defended_run(work, f"{attack.replace(':', '')}-{defence}", defence, attack, rounds,
+                                     DEFENCES[defence]))
             print(f"{attack}, {defence}: honest top-1 {min(runs[-1]['top1']):.3f} (the attacker averaged"
                   f" {runs[-1]['attacker_rounds']} rounds)", flush=True)
-    return dict(preset="demo", peers=PEERS, inner_steps=INNER_STEPS, rounds=rounds, runs=runs)
+    rollbacks = []
+    for attack in () if smoke else ROLLBACK_ATTACKS:
+        rollbacks.append(rollback_run(work, attack, rounds))
+        print(f"{attack}@{ROLLBACK_FROM}, rollback: {rollbacks[-1]['rollbacks']} rollback(s), back on the restored"
+              f" state {rollbacks[-1]['recovery_s']} s after the first poisoned one", flush=True)
+    for run in runs + rollbacks:
+        del run["honest"]  # the events went into the figures; the record keeps the figures
+    return dict(preset="demo", peers=PEERS, inner_steps=INNER_STEPS, rounds=rounds, runs=runs, rollbacks=rollbacks,
+                rollback_drop=ROLLBACK_DROP)
 
 
 def attacks_section(result: dict, env: dict, out: Path) -> str:
@@ -105,7 +147,7 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
             overhead = 1 - baseline["samples_per_s"] / honest["none"]["samples_per_s"]
             verdicts.append(f"{defence} costs an honest run at most {OVERHEAD:.0%} of its samples/s: "
                             + _verdict(overhead <= OVERHEAD, f"{overhead:.1%}"))
-    return (
+    section = (
         "## attacks\n\n"
         f"{_measured_by('attacks', env)} A coordinator and {result['peers']} peers of the `{result['preset']}`"
         f" preset (diloco, {result['inner_steps']} inner steps per round, one torch thread each, the schedule"
@@ -118,4 +160,37 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         "| attack | defence | worst honest top-1 | mean honest top-1 | points against honest | attacker rounds |"
         " samples/s |\n|---|---|---:|---:|---:|---:|---:|\n"
         f"{rows}\n" + "".join(f"- {verdict}\n" for verdict in verdicts)
+    )
+    if not result.get("rollbacks"):
+        return section
+
+    def figure(value: Optional[float], form: str) -> str:
+        return "never" if value is None else format(value, form)
+
+    rollback_rows = "".join(
+        f"| {run['attack']}@{run['from_round']} | {run['rollbacks']} | {figure(run['fell_to'], '.1%')} |"
+        f" {figure(run['restored_top1'], '.1%')} | {figure(run['recovery_s'], '.1f')} |"
+        f" {figure(run['validation_interval_s'], '.1f')} |\n" for run in result["rollbacks"])
+    late = [run for run in result["rollbacks"] if run["recovery_s"] is None or run["validation_interval_s"] is None
+            or run["recovery_s"] > run["validation_interval_s"] + ROLLBACK_SLACK_S]
+    worst = max(result["rollbacks"], key=lambda run: run["recovery_s"] or float("inf"))
+    return section + (
+        "\n### rollback\n\n"
+        f"The same runs with no robust aggregation, but a coordinator that validates every swarm epoch with"
+        f" `--rollback-drop {result['rollback_drop']}`: a validation more than {result['rollback_drop']} top-1 points"
+        " below the best sends the swarm back to the best validated state. The attacker plays honest for its first"
+        f" {result['rollbacks'][0]['from_round']} rounds (`ATTACK@R`), so that there is a good state to lose, and"
+        " attacks in every round after. Top-1 fell to: the validation that called the first rollback. Restored: the"
+        " best validated top-1, the state the peers went back to. Back on it: seconds from the first poisoned state"
+        " (an honest peer's first swarm epoch that the attacker's round went into) to the last honest peer's first"
+        " step on the restored state (their rollback events). Validation interval: the median time between the"
+        " coordinator's validations before the rollback. Rollback restores a state; it does not stop an attacker who"
+        " stays, whose later rounds poison the run again (robust aggregation, above, is the defence for those).\n\n"
+        "| attack | rollbacks | top-1 fell to | restored top-1 | back on it (s) | validation interval (s) |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+        f"{rollback_rows}\n"
+        f"- Every honest peer trains on the restored state within one validation interval plus"
+        f" {ROLLBACK_SLACK_S:.0f} s of the first poisoned one: "
+        + _verdict(not late, f"worst {worst['attack']}, {figure(worst['recovery_s'], '.1f')} s against"
+                   f" {figure(worst['validation_interval_s'], '.1f')} + {ROLLBACK_SLACK_S:.0f} s") + "\n"
     )

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,9 +199,10 @@ def start_coordinator(work: Path, name: str, options: list[str], preset: str = "
 
 
 def start_peer(work: Path, name: str, addresses: list[str], options: list[str], prefix: list[str] = (),
-               echo: Optional[Callable[[str], None]] = None) -> Process:
-    """A peer called `name` joining the swarm at `addresses`, its log and events in `work/<name>.*`."""
-    return Process(["peers/join.py", "--initial-peers", *addresses, "--name", name, *options], work / f"{name}.log",
+               echo: Optional[Callable[[str], None]] = None, program: Sequence[str] = ("peers/join.py",)) -> Process:
+    """A peer called `name` joining the swarm at `addresses`, its log and events in `work/<name>.*`; `program`: what
+    runs in place of peers/join.py, taking its arguments (a malicious peer: benchmarks/attacks.py ATTACK)."""
+    return Process([*program, "--initial-peers", *addresses, "--name", name, *options], work / f"{name}.log",
                    prefix=prefix, events=work / f"{name}.events", sample_cpu=True, echo=echo)
 
 

@@ -121,3 +121,20 @@ def test_attacks_suite_smoke():
     assert attacked["attacker_rounds"] >= 1  # it averaged with the honest peers: the figures are its doing
     assert all(run["samples_per_s"] > 0 for run in result["runs"])
     assert section.startswith("## attacks") and "| scale:1000 | centered-clip |" in section
+
+
+def test_rollback_recovery_counts_from_the_first_poisoned_state_to_the_last_peer_back():
+    from benchmarks.defences import rollback_recovery
+
+    def epochs(*pairs):
+        return [dict(epoch=epoch, time=t) for epoch, t in pairs]
+
+    honest = [dict(epochs=epochs((3, 100.0), (4, 104.0), (5, 108.0)), rollbacks=[dict(time=115.0), dict(time=140.0)]),
+              dict(epochs=epochs((3, 101.0), (4, 105.5)), rollbacks=[dict(time=117.5)])]
+    rollbacks = [dict(time=112.0, top1=0.09, best_top1=0.91), dict(time=138.0, top1=0.1, best_top1=0.91)]
+    found = rollback_recovery([96.0, 100.0, 104.0, 108.0, 112.0, 130.0], rollbacks, honest, from_round=3)
+    # the attacker's round 3 went into swarm epoch 4: poisoned at 104 s, the last peer back at 117.5 s
+    assert found == dict(rollbacks=2, fell_to=0.09, restored_top1=0.91, recovery_s=13.5, validation_interval_s=4.0)
+    # a peer that never took the rollback: no recovery time, and nothing to divide by
+    missed = rollback_recovery([96.0], [], [dict(epochs=epochs((4, 104.0)), rollbacks=[])], from_round=3)
+    assert missed == dict(rollbacks=0, fell_to=None, restored_top1=None, recovery_s=None, validation_interval_s=None)
