@@ -8,9 +8,8 @@ Suites here: join (time from `peers/join.py` start to the swarm's state loaded, 
 throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
 and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
-top-1 against samples seen for single, DDP and the swarm); scale (the coordinator's cost with 2 to 16 peers); churn
-(peers leaving and joining); monitor (the coordinator's look); attacks (one malicious peer in four under each
-defence, in logbook/reliability.md).
+top-1 against samples seen for single, DDP and the swarm); churn (peers leaving and joining); monitor (the
+coordinator's look); attacks (one malicious peer in four under each defence, in logbook/reliability.md).
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
 its Markdown section, registered in SUITES.
@@ -416,65 +415,6 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
 
 
-def store_read_seconds(store: Path, repeats: int = 5) -> float:
-    """Median seconds to read what one dashboard refresh reads from the metrics store (dashboard/app.py's
-    read_store: the run, peers, snapshots, validations, checkpoints and the best validation)."""
-    from hivetrain.metrics_store import MetricsReader
-
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        with MetricsReader(store) as reader:
-            reader.run(), reader.peers(), reader.snapshots(), reader.validations(), reader.checkpoints()
-            reader.best_validation()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-SCALE_PEERS = (2, 4, 8, 16)
-
-
-def scale_suite(work: Path, smoke: bool) -> dict:
-    """Swarms of 2, 4, 8 and 16 peers (one torch thread each) on loopback: the coordinator's CPU and memory (with its
-    DHT, state holder and p2pd processes), how long each look at the swarm takes, how long a dashboard refresh's
-    store reads take, and the swarm epoch time, over a window once every peer trains."""
-    seconds = 20 if smoke else 60
-    results = []
-    for size in SCALE_PEERS[:1] if smoke else SCALE_PEERS:
-        name = f"scale-{size}"
-        roles: list[Process] = []
-        try:
-            coordinator, addresses = start_coordinator(work, name, MONITOR_ONLY)
-            roles.append(coordinator)
-            for index in range(size):
-                roles.append(start_peer(work, f"{name}-peer-{index}", addresses,
-                                        ["--threads", "1", "--min-peers", str(size), "--progress-bar", "off"]))
-            for peer in roles[1:]:
-                peer.wait_for_event("training_started", timeout=120 + 20 * size)
-            epoch_before = [reached_epoch(peer) for peer in roles[1:]]
-            started = time.time()
-            time.sleep(seconds)
-            ended = time.time()
-            window, rss = ended - started, coordinator.rss_bytes()
-            main, descendants = coordinator.cpu_between(started, ended)
-            epochs = max(reached_epoch(peer) - before for peer, before in zip(roles[1:], epoch_before))
-            looks = [event["seconds"] for event in coordinator.events("look") if event["time"] >= started]
-            if any(peer.popen.poll() is not None for peer in roles[1:]):
-                raise RuntimeError(f"a peer of {name} stopped during the window; see {work}")
-            results.append(dict(
-                peers=size, window_s=window, coordinator_cpu_percent=100 * (main + descendants),
-                coordinator_rss_bytes=rss, look_seconds=statistics.median(looks) if looks else None,
-                store_read_seconds=store_read_seconds(work / name / "metrics.sqlite"),
-                epochs=epochs, epoch_seconds=window / epochs if epochs else None,
-            ))
-            print(f"{size} peers: coordinator {results[-1]['coordinator_cpu_percent']:.1f}% of a core,"
-                  f" {rss / 2**20:.0f} MiB; {epochs} epochs in {window:.0f} s", flush=True)
-        finally:
-            for role in reversed(roles):
-                role.stop()
-    return dict(preset="demo", results=results)
-
-
 IMPORT_STACK = ["torch", "hivemind", "lightning.pytorch", "timm"]  # what a peer imports before it can do anything
 
 
@@ -763,33 +703,6 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
     )
 
 
-def _scale_section(result: dict, env: dict, out: Path) -> str:
-    def seconds(value: float | None, digits: int = 3) -> str:
-        return "" if value is None else f"{value:.{digits}f}"
-
-    largest = max(result["results"], key=lambda r: r["peers"])
-    rows = "".join(
-        f"| {r['peers']} | {r['coordinator_cpu_percent']:.1f} | {r['coordinator_rss_bytes'] / 2**20:.0f} |"
-        f" {seconds(r['look_seconds'])} | {seconds(r['store_read_seconds'], 4)} | {r['epochs']} |"
-        f" {seconds(r['epoch_seconds'], 1)} |\n" for r in result["results"])
-    return (
-        "## scale\n\n"
-        f"{_measured_by('scale', env)} A coordinator (no validation; a look at the swarm every 10 s, its default)"
-        f" and N peers of the `{result['preset']}` preset, one torch thread each, all on this machine's cores; measured over"
-        f" {result['results'][0]['window_s']:.0f} s once every peer trains. Coordinator CPU and memory include its"
-        " DHT, state-holder and p2pd processes (100% = one core). A look: reading every peer's record and hivemind's"
-        " progress from the DHT and writing them to the store. Store reads: what one dashboard refresh reads"
-        " (median of 5).\n\n"
-        "| peers | coordinator CPU % | coordinator RSS (MiB) | a look (s) | store reads (s) | swarm epochs |"
-        " s per epoch |\n|---:|---:|---:|---:|---:|---:|---:|\n"
-        f"{rows}\n"
-        "Target: the coordinator below 10% of one core with 16 peers. The peers share two cores, so the epoch time"
-        " grows with their number: it measures the machine, not the swarm's scaling. "
-        + _verdict(largest["coordinator_cpu_percent"] < 10,
-                   f"{largest['coordinator_cpu_percent']:.1f}% with {largest['peers']} peers") + "\n"
-    )
-
-
 def _verdict(met: bool, what: str) -> str:
     return f"{'**Met**' if met else '**Not met**'} ({what})."
 
@@ -805,7 +718,6 @@ SUITES = {
     "links": (links_suite, _links_section),
     "communication": (communication_suite, _communication_section),
     "convergence": (convergence_suite, _convergence_section),
-    "scale": (scale_suite, _scale_section),
     "churn": (churn_suite, churn_section),
     "monitor": (monitor_suite, monitor_section),
     "attacks": (attacks_suite, attacks_section),

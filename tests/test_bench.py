@@ -68,23 +68,14 @@ def test_links_suite_smoke():
     assert section.startswith("## links") and "| 100 Mbit/s |" in section
 
 
-def test_scale_suite_smoke():
-    result, section = smoke("scale")
-    [two] = result["results"]
-    assert two["peers"] == 2 and two["epochs"] >= 1
-    assert 0 < two["coordinator_cpu_percent"] < 200 and two["coordinator_rss_bytes"] > 50 * 2**20
-    assert two["look_seconds"] > 0 and two["store_read_seconds"] > 0
-    assert section.startswith("## scale") and "\n| 2 |" in section
-
-
 def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PAGE", tmp_path / "benchmarks.md")
     bench.write_section("join", "## join\n\nfirst\n")
-    bench.write_section("scale", "## scale\n\nS\n")
+    bench.write_section("throughput", "## throughput\n\nS\n")
     bench.write_section("join", "## join\n\nsecond\n")
     page = (tmp_path / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks") and "second" in page and "first" not in page and "S\n" in page
-    assert page.index("## join") < page.index("## scale")
+    assert page.index("## join") < page.index("## throughput")
     # the attacks suite's section goes under the faults tests/test_faults.py wrote, which stay as they were
     (tmp_path / "reliability.md").write_text("# Reliability\n\n| fault |\n")
     bench.write_section("attacks", "## attacks\n\nA\n")
