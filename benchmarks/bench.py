@@ -1,18 +1,22 @@
-"""Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke].
+"""Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke | --page].
 
 Each suite starts real roles (coordinator/start.py, peers/join.py) as processes on loopback (benchmarks.harness) and
 measures them from what they write for programs: their events, the coordinator's metrics store and run records, never
-their console lines. It writes its section of logbook/benchmarks.md with the machine, versions, commit and date.
+their console lines. It keeps a record, logbook/bench-records/bench-SUITE-<time>.json (the suite, the command, the
+machine, versions, commit and date, and the result), and writes its section of logbook/benchmarks.md, or its page,
+from it. --page measures nothing: it writes the section or page again from the suite's newest record.
 
 Suites here: join (time from `peers/join.py` start to the swarm's state loaded, and to its first local step);
 throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
 and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
 top-1 against samples seen for single, DDP and the swarm); churn (peers leaving and joining); monitor (the
-coordinator's look); attacks (one malicious peer in four under each defence, in logbook/reliability.md).
+coordinator's look); attacks (one malicious peer in four under each defence, in logbook/reliability.md); scale (what
+each peer costs as the swarm grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/scale.md).
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
-its Markdown section, registered in SUITES.
+its Markdown, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it
+gets also names the command that measured it and the record's path.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from benchmarks.churn import churn_section, churn_suite
 from benchmarks.defences import attacks_section, attacks_suite
 from benchmarks.harness import ROOT, Process, reached_epoch, run_baseline, start_coordinator, start_peer
 from benchmarks.monitor import monitor_section, monitor_suite
+from benchmarks.scale import scale_page, scale_suite
 
 PAGE = ROOT / "logbook" / "benchmarks.md"
 RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
@@ -708,8 +713,9 @@ def _verdict(met: bool, what: str) -> str:
 
 
 def _measured_by(suite: str, env: dict) -> str:
-    return (f"`python -m benchmarks.bench {suite}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python"
-            f" {env['python']}, torch {env['torch']}, hivemind {env['hivemind']}).")
+    command = env.get("command", f"python -m benchmarks.bench {suite}")
+    return (f"`{command}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python {env['python']}, torch"
+            f" {env['torch']}, hivemind {env['hivemind']}).")
 
 
 SUITES = {
@@ -721,19 +727,26 @@ SUITES = {
     "churn": (churn_suite, churn_section),
     "monitor": (monitor_suite, monitor_section),
     "attacks": (attacks_suite, attacks_section),
+    "scale": (scale_suite, scale_page),
 }
+# the suites whose Markdown lands elsewhere than logbook/benchmarks.md: attacks beside the faults (tests/test_faults.py
+# writes the rest of that page), scale a whole page of its own
+PAGES = {"attacks": "reliability.md", "scale": "scale.md"}
 
 
 def page_of(suite: str) -> Path:
-    """The logbook page a suite's section lands in: the attacks suite's beside the faults (tests/test_faults.py writes
-    the rest of that page), every other suite's in logbook/benchmarks.md."""
-    return PAGE.parent / "reliability.md" if suite == "attacks" else PAGE
+    """The logbook page a suite's Markdown lands in: PAGES, or logbook/benchmarks.md."""
+    return PAGE.parent / PAGES.get(suite, PAGE.name)
 
 
 def write_section(name: str, section: str) -> None:
-    """Replace suite `name`'s section of its page (each section says which commit measured it); what comes before the
-    first section stays as it is."""
+    """Write suite `name`'s Markdown into its page. A whole page (from a level-1 heading, "# ") replaces the page.
+    A section ("## name") replaces that suite's section of the page (each section says which commit measured it);
+    what comes before the first section and the other sections stay as they are."""
     page = page_of(name)
+    if section.startswith("# "):
+        page.write_text(section)
+        return
     header = ("# Benchmarks\n\nEach section is written by `python -m benchmarks.bench SUITE` and says which commit,"
               " machine and versions measured it.\n\n")
     sections = {}
@@ -746,27 +759,60 @@ def write_section(name: str, section: str) -> None:
     page.write_text(header + "".join(sections[key] for key in sorted(sections)).rstrip("\n") + "\n")
 
 
+def render(suite: str, record: dict, path: Path, out: Path) -> str:
+    """Suite `suite`'s section or page from its record, kept at `path`; its plots are written into `out`. The renderer
+    gets the record's environment with the command that measured it (records older than that field: the plain
+    command) and the record's path."""
+    env = dict(record["environment"], command=record.get("command", f"python -m benchmarks.bench {suite}"),
+               record=_shown(path))
+    return SUITES[suite][1](record["result"], env, out)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def newest_record(suite: str) -> Path:
+    records = sorted(RECORDS.glob(f"bench-{suite}-*.json"))
+    if not records:
+        raise SystemExit(f"no record of {suite} in {RECORDS}: run python -m benchmarks.bench {suite} first")
+    return records[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest run (for the tests): prints its result and section, writes nothing")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--smoke", action="store_true",
+                      help="the smallest run (for the tests): prints its record and Markdown, writes nothing")
+    what.add_argument("--page", action="store_true",
+                      help="measure nothing: the suite's section or page again from its newest record")
     args = parser.parse_args(argv)
-    run, section = SUITES[args.suite]
+    page = page_of(args.suite)
+    if args.page:
+        path = newest_record(args.suite)
+        write_section(args.suite, render(args.suite, json.loads(path.read_text()), path, page.parent))
+        print(f"Wrote {_shown(page)} ({args.suite}) from {_shown(path)}")
+        return 0
+    command = f"python -m benchmarks.bench {args.suite}" + (" --smoke" if args.smoke else "")
     env = _environment()
     work = Path(tempfile.mkdtemp(prefix=f"bench-{args.suite}-"))
-    result = run(work, smoke=args.smoke)  # on a failure the roles' logs stay in `work`: the error names them
-    print(json.dumps(result, indent=1))
-    if args.smoke:  # the page and its plots are rendered into the scratch folder, then thrown away
-        print(section(result, env, work))
-    shutil.rmtree(work)
-    if args.smoke:
+    # on a failure the roles' logs stay in `work`: the error names them
+    result = SUITES[args.suite][0](work, smoke=args.smoke)
+    record = dict(suite=args.suite, command=command, environment=env, result=result)
+    print(json.dumps(record, indent=1))
+    if args.smoke:  # the record, the page and its plots go to the scratch folder, printed, then thrown away
+        path = work / f"bench-{args.suite}-smoke.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(render(args.suite, record, path, work))
+        shutil.rmtree(work)
         return 0
+    shutil.rmtree(work)
     RECORDS.mkdir(parents=True, exist_ok=True)
-    record = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
-    record.write_text(json.dumps(dict(suite=args.suite, environment=env, result=result), indent=1) + "\n")
-    write_section(args.suite, section(result, env, PAGE.parent))
-    print(f"Wrote {page_of(args.suite).relative_to(ROOT)} ({args.suite}) and {record.relative_to(ROOT)}")
+    path = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_section(args.suite, render(args.suite, record, path, page.parent))
+    print(f"Wrote {_shown(page)} ({args.suite}) and {_shown(path)}")
     return 0
 
 
