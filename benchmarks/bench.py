@@ -1,19 +1,22 @@
-"""Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke].
+"""Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke | --page].
 
 Each suite starts real roles (coordinator/start.py, peers/join.py) as processes on loopback (benchmarks.harness) and
 measures them from what they write for programs: their events, the coordinator's metrics store and run records, never
-their console lines. It writes its section of logbook/benchmarks.md with the machine, versions, commit and date.
+their console lines. It keeps a record, logbook/bench-records/bench-SUITE-<time>.json (the suite, the command, the
+machine, versions, commit and date, and the result), and writes its section of logbook/benchmarks.md, or its page,
+from it. --page measures nothing: it writes the section or page again from the suite's newest record.
 
 Suites here: join (time from `peers/join.py` start to the swarm's state loaded, and to its first local step);
 throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
 and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
-top-1 against samples seen for single, DDP and the swarm); scale (the coordinator's cost with 2 to 16 peers); churn
-(peers leaving and joining); monitor (the coordinator's look); attacks (one malicious peer in four under each
-defence, in logbook/reliability.md).
+top-1 against samples seen for single, DDP and the swarm); churn (peers leaving and joining); monitor (the
+coordinator's look); attacks (one malicious peer in four under each defence, in logbook/reliability.md); scale (what
+each peer costs as the swarm grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/scale.md).
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
-its Markdown section, registered in SUITES.
+its Markdown, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it
+gets also names the command that measured it and the record's path.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from benchmarks.churn import churn_section, churn_suite
 from benchmarks.defences import attacks_section, attacks_suite
 from benchmarks.harness import ROOT, Process, reached_epoch, run_baseline, start_coordinator, start_peer
 from benchmarks.monitor import monitor_section, monitor_suite
+from benchmarks.scale import scale_page, scale_suite
 
 PAGE = ROOT / "logbook" / "benchmarks.md"
 RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
@@ -418,65 +422,6 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
 
 
-def store_read_seconds(store: Path, repeats: int = 5) -> float:
-    """Median seconds to read what one dashboard refresh reads from the metrics store (dashboard/app.py's
-    read_store: the run, peers, snapshots, validations, checkpoints and the best validation)."""
-    from hivetrain.metrics_store import MetricsReader
-
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        with MetricsReader(store) as reader:
-            reader.run(), reader.peers(), reader.snapshots(), reader.validations(), reader.checkpoints()
-            reader.best_validation()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-SCALE_PEERS = (2, 4, 8, 16)
-
-
-def scale_suite(work: Path, smoke: bool) -> dict:
-    """Swarms of 2, 4, 8 and 16 peers (one torch thread each) on loopback: the coordinator's CPU and memory (with its
-    DHT, state holder and p2pd processes), how long each look at the swarm takes, how long a dashboard refresh's
-    store reads take, and the swarm epoch time, over a window once every peer trains."""
-    seconds = 20 if smoke else 60
-    results = []
-    for size in SCALE_PEERS[:1] if smoke else SCALE_PEERS:
-        name = f"scale-{size}"
-        roles: list[Process] = []
-        try:
-            coordinator, addresses = start_coordinator(work, name, MONITOR_ONLY)
-            roles.append(coordinator)
-            for index in range(size):
-                roles.append(start_peer(work, f"{name}-peer-{index}", addresses,
-                                        ["--threads", "1", "--min-peers", str(size), "--progress-bar", "off"]))
-            for peer in roles[1:]:
-                peer.wait_for_event("training_started", timeout=120 + 20 * size)
-            epoch_before = [reached_epoch(peer) for peer in roles[1:]]
-            started = time.time()
-            time.sleep(seconds)
-            ended = time.time()
-            window, rss = ended - started, coordinator.rss_bytes()
-            main, descendants = coordinator.cpu_between(started, ended)
-            epochs = max(reached_epoch(peer) - before for peer, before in zip(roles[1:], epoch_before))
-            looks = [event["seconds"] for event in coordinator.events("look") if event["time"] >= started]
-            if any(peer.popen.poll() is not None for peer in roles[1:]):
-                raise RuntimeError(f"a peer of {name} stopped during the window; see {work}")
-            results.append(dict(
-                peers=size, window_s=window, coordinator_cpu_percent=100 * (main + descendants),
-                coordinator_rss_bytes=rss, look_seconds=statistics.median(looks) if looks else None,
-                store_read_seconds=store_read_seconds(work / name / "metrics.sqlite"),
-                epochs=epochs, epoch_seconds=window / epochs if epochs else None,
-            ))
-            print(f"{size} peers: coordinator {results[-1]['coordinator_cpu_percent']:.1f}% of a core,"
-                  f" {rss / 2**20:.0f} MiB; {epochs} epochs in {window:.0f} s", flush=True)
-        finally:
-            for role in reversed(roles):
-                role.stop()
-    return dict(preset="demo", results=results)
-
-
 IMPORT_STACK = ["torch", "hivemind", "lightning.pytorch", "timm"]  # what a peer imports before it can do anything
 
 
@@ -765,40 +710,14 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
     )
 
 
-def _scale_section(result: dict, env: dict, out: Path) -> str:
-    def seconds(value: float | None, digits: int = 3) -> str:
-        return "" if value is None else f"{value:.{digits}f}"
-
-    largest = max(result["results"], key=lambda r: r["peers"])
-    rows = "".join(
-        f"| {r['peers']} | {r['coordinator_cpu_percent']:.1f} | {r['coordinator_rss_bytes'] / 2**20:.0f} |"
-        f" {seconds(r['look_seconds'])} | {seconds(r['store_read_seconds'], 4)} | {r['epochs']} |"
-        f" {seconds(r['epoch_seconds'], 1)} |\n" for r in result["results"])
-    return (
-        "## scale\n\n"
-        f"{_measured_by('scale', env)} A coordinator (no validation; a look at the swarm every 10 s, its default)"
-        f" and N peers of the `{result['preset']}` preset, one torch thread each, all on this machine's cores; measured over"
-        f" {result['results'][0]['window_s']:.0f} s once every peer trains. Coordinator CPU and memory include its"
-        " DHT, state-holder and p2pd processes (100% = one core). A look: reading every peer's record and hivemind's"
-        " progress from the DHT and writing them to the store. Store reads: what one dashboard refresh reads"
-        " (median of 5).\n\n"
-        "| peers | coordinator CPU % | coordinator RSS (MiB) | a look (s) | store reads (s) | swarm epochs |"
-        " s per epoch |\n|---:|---:|---:|---:|---:|---:|---:|\n"
-        f"{rows}\n"
-        "Target: the coordinator below 10% of one core with 16 peers. The peers share two cores, so the epoch time"
-        " grows with their number: it measures the machine, not the swarm's scaling. "
-        + _verdict(largest["coordinator_cpu_percent"] < 10,
-                   f"{largest['coordinator_cpu_percent']:.1f}% with {largest['peers']} peers") + "\n"
-    )
-
-
 def _verdict(met: bool, what: str) -> str:
     return f"{'**Met**' if met else '**Not met**'} ({what})."
 
 
 def _measured_by(suite: str, env: dict) -> str:
-    return (f"`python -m benchmarks.bench {suite}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python"
-            f" {env['python']}, torch {env['torch']}, hivemind {env['hivemind']}).")
+    command = env.get("command", f"python -m benchmarks.bench {suite}")
+    return (f"`{command}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python {env['python']}, torch"
+            f" {env['torch']}, hivemind {env['hivemind']}).")
 
 
 SUITES = {
@@ -807,23 +726,29 @@ SUITES = {
     "links": (links_suite, _links_section),
     "communication": (communication_suite, _communication_section),
     "convergence": (convergence_suite, _convergence_section),
-    "scale": (scale_suite, _scale_section),
     "churn": (churn_suite, churn_section),
     "monitor": (monitor_suite, monitor_section),
     "attacks": (attacks_suite, attacks_section),
+    "scale": (scale_suite, scale_page),
 }
+# the suites whose Markdown lands elsewhere than logbook/benchmarks.md: attacks beside the faults (tests/test_faults.py
+# writes the rest of that page), scale a whole page of its own
+PAGES = {"attacks": "reliability.md", "scale": "scale.md"}
 
 
 def page_of(suite: str) -> Path:
-    """The logbook page a suite's section lands in: the attacks suite's beside the faults (tests/test_faults.py writes
-    the rest of that page), every other suite's in logbook/benchmarks.md."""
-    return PAGE.parent / "reliability.md" if suite == "attacks" else PAGE
+    """The logbook page a suite's Markdown lands in: PAGES, or logbook/benchmarks.md."""
+    return PAGE.parent / PAGES.get(suite, PAGE.name)
 
 
 def write_section(name: str, section: str) -> None:
-    """Replace suite `name`'s section of its page (each section says which commit measured it); what comes before the
-    first section stays as it is."""
+    """Write suite `name`'s Markdown into its page. A whole page (from a level-1 heading, "# ") replaces the page.
+    A section ("## name") replaces that suite's section of the page (each section says which commit measured it);
+    what comes before the first section and the other sections stay as they are."""
     page = page_of(name)
+    if section.startswith("# "):
+        page.write_text(section)
+        return
     header = ("# Benchmarks\n\nEach section is written by `python -m benchmarks.bench SUITE` and says which commit,"
               " machine and versions measured it.\n\n")
     sections = {}
@@ -836,27 +761,60 @@ def write_section(name: str, section: str) -> None:
     page.write_text(header + "".join(sections[key] for key in sorted(sections)).rstrip("\n") + "\n")
 
 
+def render(suite: str, record: dict, path: Path, out: Path) -> str:
+    """Suite `suite`'s section or page from its record, kept at `path`; its plots are written into `out`. The renderer
+    gets the record's environment with the command that measured it (records older than that field: the plain
+    command) and the record's path."""
+    env = dict(record["environment"], command=record.get("command", f"python -m benchmarks.bench {suite}"),
+               record=_shown(path))
+    return SUITES[suite][1](record["result"], env, out)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def newest_record(suite: str) -> Path:
+    records = sorted(RECORDS.glob(f"bench-{suite}-*.json"))
+    if not records:
+        raise SystemExit(f"no record of {suite} in {RECORDS}: run python -m benchmarks.bench {suite} first")
+    return records[-1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest run (for the tests): prints its result and section, writes nothing")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--smoke", action="store_true",
+                      help="the smallest run (for the tests): prints its record and Markdown, writes nothing")
+    what.add_argument("--page", action="store_true",
+                      help="measure nothing: the suite's section or page again from its newest record")
     args = parser.parse_args(argv)
-    run, section = SUITES[args.suite]
+    page = page_of(args.suite)
+    if args.page:
+        path = newest_record(args.suite)
+        write_section(args.suite, render(args.suite, json.loads(path.read_text()), path, page.parent))
+        print(f"Wrote {_shown(page)} ({args.suite}) from {_shown(path)}")
+        return 0
+    command = f"python -m benchmarks.bench {args.suite}" + (" --smoke" if args.smoke else "")
     env = _environment()
     work = Path(tempfile.mkdtemp(prefix=f"bench-{args.suite}-"))
-    result = run(work, smoke=args.smoke)  # on a failure the roles' logs stay in `work`: the error names them
-    print(json.dumps(result, indent=1))
-    if args.smoke:  # the page and its plots are rendered into the scratch folder, then thrown away
-        print(section(result, env, work))
-    shutil.rmtree(work)
-    if args.smoke:
+    # on a failure the roles' logs stay in `work`: the error names them
+    result = SUITES[args.suite][0](work, smoke=args.smoke)
+    record = dict(suite=args.suite, command=command, environment=env, result=result)
+    print(json.dumps(record, indent=1))
+    if args.smoke:  # the record, the page and its plots go to the scratch folder, printed, then thrown away
+        path = work / f"bench-{args.suite}-smoke.json"
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(render(args.suite, record, path, work))
+        shutil.rmtree(work)
         return 0
+    shutil.rmtree(work)
     RECORDS.mkdir(parents=True, exist_ok=True)
-    record = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
-    record.write_text(json.dumps(dict(suite=args.suite, environment=env, result=result), indent=1) + "\n")
-    write_section(args.suite, section(result, env, PAGE.parent))
-    print(f"Wrote {page_of(args.suite).relative_to(ROOT)} ({args.suite}) and {record.relative_to(ROOT)}")
+    path = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_section(args.suite, render(args.suite, record, path, page.parent))
+    print(f"Wrote {_shown(page)} ({args.suite}) and {_shown(path)}")
     return 0
 
 

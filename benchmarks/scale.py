@@ -1,5 +1,5 @@
-"""What each peer costs as the swarm grows, and joiner storms (issue 21): python -m benchmarks.scale [--smoke], and
-python -m benchmarks.scale page (logbook/scale.md again from the newest record).
+"""What each peer costs as the swarm grows, and joiner storms (issue 21): the scale suite of benchmarks.bench,
+python -m benchmarks.bench scale [--smoke | --page] (--page: logbook/scale.md again from the newest record).
 
 One run measures, on loopback with the demo preset (diloco, one torch thread per peer):
 
@@ -16,29 +16,21 @@ One run measures, on loopback with the demo preset (diloco, one torch thread per
   step, and the state downloads each holder answered (`states_served` in the coordinator's look events and in the
   peers' epoch and leaving events).
 
-The record goes to logbook/bench-records/scale-<time>.json and the page, which fits and extrapolates it, to
-logbook/scale.md. Tools that no role imports: this stays in benchmarks/.
+benchmarks.bench writes the record to logbook/bench-records/bench-scale-<time>.json and the page, which scale_page
+fits and extrapolates from it, to logbook/scale.md. Tools that no role imports: this stays in benchmarks/.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import shutil
 import signal
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.harness import ROOT, Process, reached_epoch, start_coordinator, start_peer
+from benchmarks.harness import Process, reached_epoch, start_coordinator, start_peer
 
-PAGE = ROOT / "logbook" / "scale.md"
-RECORDS = ROOT / "logbook" / "bench-records"
 COST_SWARMS = ((2, None), (4, None), (8, None))  # (peers, target group size; None: the whole swarm)
 PUBLISHERS = (64, 128)
 INNER_STEPS = 8  # a round every few seconds: many rounds in a window
@@ -281,8 +273,9 @@ def _number(value: float, digits: int = 3) -> str:
     return f"{value:,.{digits}f}" if abs(value) < 1e4 else f"{value:,.0f}"
 
 
-def scale_page(record: dict) -> str:
-    env, result, command = record["environment"], record["result"], record["command"]
+def scale_page(result: dict, env: dict, out: Path) -> str:
+    """The whole of logbook/scale.md from a record's result: benchmarks.bench's renderer for the scale suite (`env`
+    names the command that measured it and the record's path; the page has no plots for `out`)."""
     costs, storm, models = result["costs"], result["storm"], result["models"]
     whole = [c for c in costs if c["target_group_size"] is None]  # groups as large as the swarm
 
@@ -410,11 +403,12 @@ def scale_page(record: dict) -> str:
 
     return (
         "# Scale: what each peer costs, and joiner storms\n\n"
-        f"Written by `{command}` from the record `{record['path']}`: measured on {env['date']} at commit"
+        f"Written by `{env['command']}` from the record `{env['record']}`: measured on {env['date']} at commit"
         f" {env['commit']} ({env['machine']}; Python {env['python']}, torch {env['torch']}, hivemind"
         f" {env['hivemind']}). Measured on a 2-core machine that every peer, the coordinator and the publishers"
         " share: CPU and time figures at the larger N measure the machine as much as the swarm."
-        " All traffic is on loopback. `python -m benchmarks.scale page` rebuilds this page from the newest record.\n\n"
+        " All traffic is on loopback. `python -m benchmarks.bench scale --page` rebuilds this page from the newest"
+        " record.\n\n"
         "## Measured: swarms of training peers\n\n"
         f"A coordinator that {validating} and N peers of the `{result['preset']}` preset"
         f" ({demo['parameters']:,} parameters), diloco with {result['inner_steps']} inner steps per round, one torch"
@@ -517,55 +511,3 @@ def scale_page(record: dict) -> str:
         "| limit | reached when | from about N peers (extrapolated) | what lifts it |\n|---|---|---:|---|\n"
         f"{limit_rows}"
     )
-
-
-def newest_record() -> Path:
-    records = sorted(RECORDS.glob("scale-*.json"))
-    if not records:
-        raise SystemExit(f"no scale record in {RECORDS}: run python -m benchmarks.scale first")
-    return records[-1]
-
-
-def write_page(record_path: Path, page: Path = PAGE, command: str = "python -m benchmarks.scale") -> None:
-    record = json.loads(record_path.read_text())
-    record.update(path=str(record_path.relative_to(ROOT)) if record_path.is_relative_to(ROOT) else str(record_path),
-                  command=command)
-    page.write_text(scale_page(record))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from benchmarks.bench import _environment
-
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", nargs="?", choices=("run", "page"), default="run",
-                        help="run: measure, record and write the page (default); page: the page from the newest record")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest run (for the tests): prints its record and page, writes nothing in logbook/")
-    args = parser.parse_args(argv)
-    if args.action == "page":
-        write_page(newest_record())
-        print(f"Wrote {PAGE.relative_to(ROOT)}")
-        return 0
-    env = _environment()
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
-    result = scale_suite(work, smoke=args.smoke)  # on a failure the roles' logs stay in `work`: the error names them
-    record = dict(suite="scale-costs", environment=env, result=result)
-    if args.smoke:  # the record and page go to the scratch folder, printed, then thrown away
-        path = work / "scale-smoke.json"
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        write_page(path, work / "scale.md", command="python -m benchmarks.scale --smoke")
-        print(json.dumps(record, indent=1))
-        print((work / "scale.md").read_text())
-        shutil.rmtree(work)
-        return 0
-    shutil.rmtree(work)
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    path = RECORDS / f"scale-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    write_page(path)
-    print(f"Wrote {PAGE.relative_to(ROOT)} and {path.relative_to(ROOT)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,12 +9,14 @@ from benchmarks import bench
 
 
 def smoke(suite: str) -> tuple[dict, str]:
-    """Run a suite's smoke version; returns its result and the section it rendered."""
+    """Run a suite's smoke version; returns the result in the record it printed, and the section it rendered."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench", suite, "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result_text, section = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
-    return json.loads(result_text + "\n}"), section
+    record_text, section = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
+    record = json.loads(record_text + "\n}")
+    assert record["suite"] == suite and record["command"] == f"python -m benchmarks.bench {suite} --smoke"
+    return record["result"], section
 
 
 def test_join_suite_smoke():
@@ -68,29 +70,46 @@ def test_links_suite_smoke():
     assert section.startswith("## links") and "| 100 Mbit/s |" in section
 
 
-def test_scale_suite_smoke():
-    result, section = smoke("scale")
-    [two] = result["results"]
-    assert two["peers"] == 2 and two["epochs"] >= 1
-    assert 0 < two["coordinator_cpu_percent"] < 200 and two["coordinator_rss_bytes"] > 50 * 2**20
-    assert two["look_seconds"] > 0 and two["store_read_seconds"] > 0
-    assert section.startswith("## scale") and "\n| 2 |" in section
-
-
 def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PAGE", tmp_path / "benchmarks.md")
     bench.write_section("join", "## join\n\nfirst\n")
-    bench.write_section("scale", "## scale\n\nS\n")
+    bench.write_section("throughput", "## throughput\n\nS\n")
     bench.write_section("join", "## join\n\nsecond\n")
     page = (tmp_path / "benchmarks.md").read_text()
     assert page.startswith("# Benchmarks") and "second" in page and "first" not in page and "S\n" in page
-    assert page.index("## join") < page.index("## scale")
+    assert page.index("## join") < page.index("## throughput")
     # the attacks suite's section goes under the faults tests/test_faults.py wrote, which stay as they were
     (tmp_path / "reliability.md").write_text("# Reliability\n\n| fault |\n")
     bench.write_section("attacks", "## attacks\n\nA\n")
     bench.write_section("attacks", "## attacks\n\nB\n")
     assert (tmp_path / "reliability.md").read_text() == "# Reliability\n\n| fault |\n\n## attacks\n\nB\n"
     assert "attacks" not in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_page_rebuilds_from_the_newest_record_without_measuring(tmp_path, monkeypatch):
+    """--page: a section, or the scale suite's whole page, again from the suite's newest record; nothing runs."""
+    monkeypatch.setattr(bench, "PAGE", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(bench, "RECORDS", tmp_path / "records")
+    (tmp_path / "records").mkdir()
+
+    def measure(work, smoke):
+        raise AssertionError("--page measured")
+
+    monkeypatch.setitem(bench.SUITES, "scale", (measure, bench.SUITES["scale"][1]))
+    monkeypatch.setitem(bench.SUITES, "join",
+                        (measure, lambda result, env, out: f"## join\n\n{result} by {env['command']}\n"))
+    for time, value in (("20260101T000000", "old"), ("20260102T000000", "new")):
+        (tmp_path / "records" / f"bench-join-{time}.json").write_text(json.dumps(dict(
+            suite="join", command="python -m benchmarks.bench join", environment={}, result=value)))
+    kept = ROOT / "logbook" / "bench-records" / "bench-scale-20261126T065735.json"
+    (tmp_path / "records" / kept.name).write_text(kept.read_text())
+    assert bench.main(["join", "--page"]) == 0 and bench.main(["scale", "--page"]) == 0
+    assert (tmp_path / "benchmarks.md").read_text().endswith("## join\n\nnew by python -m benchmarks.bench join\n")
+    page = (tmp_path / "scale.md").read_text()
+    # the page names the command and commit that measured the record, and its record
+    assert page.startswith("# Scale") and "Written by `python -m benchmarks.scale` from the record" in page
+    assert f"{tmp_path / 'records' / kept.name}`: measured on 2026-11-26 06:50 UTC at commit 538edd2" in page
+    assert "`python -m benchmarks.bench scale --page` rebuilds this page" in page
 
 
 def test_monitor_suite_smoke():

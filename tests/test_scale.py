@@ -1,5 +1,5 @@
-"""The scale benchmark (benchmarks/scale.py) at its smallest: one swarm of two peers, its costs and one joiner, and
-the page fitted and extrapolated from that record."""
+"""The scale suite (benchmarks/scale.py, run by benchmarks.bench) at its smallest: one swarm of two peers, its costs
+and one joiner, and the page fitted and extrapolated from that record."""
 
 import json
 import subprocess
@@ -13,11 +13,12 @@ from benchmarks import scale
 
 
 def test_scale_smoke():
-    done = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--smoke"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench", "scale", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record_text, page = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
     record = json.loads(record_text + "\n}")
+    assert record["suite"] == "scale" and record["command"] == "python -m benchmarks.bench scale --smoke"
     [swarm] = record["result"]["costs"]
     assert swarm["peers"] == 2 and swarm["rounds"] >= 1 and 1 <= swarm["group_size_median"] <= 2
     assert swarm["round_bytes"] is not None and swarm["coordinator_cores"] > 0 and swarm["peer_background_cores"] > 0
