@@ -13,6 +13,7 @@ import re
 import time
 
 import hivemind
+import pytest
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
@@ -105,13 +106,21 @@ ROLLBACK_LINE = (r"^Rollback (\d+): validation at swarm epoch (\d+) saw top-1 fa
                  r" the best validated state \(swarm epoch (\d+), top-1 ([\d.]+)%\), served as swarm epoch (\d+)$")
 
 
-def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_path):
+# diloco: the pseudo-gradient x1000 from outer round 3. sync: the gradients x-10 from the fourth swarm epoch (AdamW
+# divides by the gradients' own scale, so x1000 would mostly train on; x-10 ascends the loss).
+MODES = {"diloco": (["--mode", "diloco", "--inner-steps", "16"], "scale:1000"),
+         "sync": (["--mode", "sync"], "scale:-10")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_path, mode):
+    options, attack = MODES[mode]
     coordinator, addresses = start_coordinator(
-        spawn, tmp_path, "--preset", "demo", "--mode", "diloco", "--inner-steps", "16", "--validate-every", "1",
-        "--rollback-drop", str(DROP), "--threads", "1")
+        spawn, tmp_path, "--preset", "demo", *options, "--validate-every", "1", "--rollback-drop", str(DROP),
+        "--threads", "1")
     common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1", "--min-peers", "2")
     peers = {"honest": spawn("honest", "peers/join.py", *common, "--name", "honest"),
-             "attacker": spawn("attacker", "benchmarks/attacks.py", f"scale:1000@{ATTACK_FROM}", *common,
+             "attacker": spawn("attacker", "benchmarks/attacks.py", f"{attack}@{ATTACK_FROM}", *common,
                                "--name", "attacker")}
     first = coordinator.wait_for(ROLLBACK_LINE, timeout=150)
     published_at = time.monotonic()
