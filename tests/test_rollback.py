@@ -2,9 +2,9 @@
 
 The unit test runs real DHT nodes on loopback: a coordinator that signs a genuine record, a forger that writes under
 the same key with its own key, unsigned and malformed, and a peer that must act on the genuine record only. The
-end-to-end test runs a coordinator with --rollback-drop and two demo peers (diloco), one of which turns attacker after
-its first rounds (benchmarks/attacks.py, pseudo-gradient x1000): the coordinator's validation sees top-1 collapse,
-serves the best checkpoint again, and both peers take it and say so.
+end-to-end test runs a coordinator with --rollback-drop and two demo peers, in each swarm mode, one of which turns
+attacker after its first rounds (benchmarks/attacks.py): the coordinator's validation sees top-1 collapse, serves the
+best checkpoint again, and both peers take it and say so.
 """
 
 import logging
