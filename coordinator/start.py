@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           " forwarding), e.g. /ip4/203.0.113.7/tcp/31337")
     net.add_argument("--identity", default=None, metavar="FILE",
                      help="private key file that keeps the peer ID stable (default:"
-                          " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start)")
+                          " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start); the key that signs"
+                          " the run and rollback records is kept beside it (FILE with .records.key for .key)")
     net.add_argument("--require-token", action="store_true",
                      help="private run: only peers with a token from `issue-token` may join (see --authority-key)")
     net.add_argument("--authority-key", default=None, metavar="FILE",
@@ -205,7 +206,7 @@ def authority_path(authority_key: str | None, run_id: str) -> Path:
 def issue_token(argv: list[str]) -> int:
     from datetime import datetime
 
-    from hivetrain.access import issue_grant, load_authority, parse_lifetime
+    from hivetrain.access import issue_grant, load_key, parse_lifetime
     from hivetrain.config import DEFAULT_PRESET, PRESETS, get_preset
 
     parser = argparse.ArgumentParser(
@@ -224,7 +225,7 @@ def issue_token(argv: list[str]) -> int:
     try:
         lifetime = parse_lifetime(args.expires)
         path = authority_path(args.authority_key, args.run_id or get_preset(args.preset).run_id)
-        grant = issue_grant(load_authority(path), args.name, lifetime)
+        grant = issue_grant(load_key(path), args.name, lifetime)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -255,7 +256,8 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
-    from hivetrain.access import RunAuthorizer, issue_grant, load_authority
+    from hivetrain.access import RunAuthorizer, issue_grant, load_key
+    from hivetrain.hivemind_internals import sign_records_with
     from hivetrain.reachability import serve_dial_back
     from hivetrain.record_guard import guard_run_keys
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, one_line_per_event, start_dht
@@ -300,9 +302,12 @@ def _run(args: argparse.Namespace) -> int:
 
         identity = Path(args.identity or Path.home() / ".cache" / "hivetrain" / config.run_id / "coordinator.key")
         identity.parent.mkdir(parents=True, exist_ok=True)
+        # Peers trust the rollback records signed by the key that signed the run record they joined with: a restarted
+        # coordinator signs with the same key, kept beside its identity.
+        sign_records_with(load_key(identity.with_suffix(".records.key"), "record-signing key"))
         authorizer = None
         if args.require_token:  # the coordinator holds a grant of its own, like every peer of the run
-            grant = issue_grant(load_authority(authority_path(args.authority_key, config.run_id)), "coordinator",
+            grant = issue_grant(load_key(authority_path(args.authority_key, config.run_id)), "coordinator",
                                 lifetime=100 * 365 * 86400)
             authorizer = RunAuthorizer(grant)
         dht = start_dht(DHTOptions(

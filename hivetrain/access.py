@@ -79,13 +79,14 @@ def parse_lifetime(text: str) -> int:
     return int(match.group(1)) * LIFETIME_UNITS[match.group(2) or "s"]
 
 
-def load_authority(path: Path) -> RSAPrivateKey:
-    """The run's authority key; created (readable by its owner only) when the file does not exist yet."""
+def load_key(path: Path, what: str = "authority key") -> RSAPrivateKey:
+    """The RSA key kept in `path` (the run's authority key, or the coordinator's record-signing key); created
+    (readable by its owner only) when the file does not exist yet."""
     if path.exists():
         try:
             return rsa_key_from_der(path.read_bytes())
         except ValueError:
-            raise ValueError(f"{path} is not an authority key (DER-encoded RSA private key)") from None
+            raise ValueError(f"{path} is not an {what} (DER-encoded RSA private key)") from None
     key = RSAPrivateKey()
     atomic_write(path, key.to_bytes(), mode=0o600)
     return key

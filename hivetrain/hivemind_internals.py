@@ -163,6 +163,16 @@ def rsa_key_from_der(data: bytes) -> RSAPrivateKey:
     return key
 
 
+def sign_records_with(key: RSAPrivateKey) -> None:
+    """Make `key` this process's record-signing key: hivemind's RSAPrivateKey.process_wide(), which every
+    RSASignatureValidator() made without a key signs with (the run record, rollback records). hivemind generates that
+    key afresh in each process and offers no way to set it. Call it before the first validator is made."""
+    current = RSAPrivateKey._process_wide_key
+    if current is not None and current.to_bytes() != key.to_bytes():
+        raise RuntimeError("this process already signs records with another key")
+    RSAPrivateKey._process_wide_key = key
+
+
 # --- logging and networking ---------------------------------------------------------------------------------------
 
 def hivemind_log_handler() -> Optional[logging.Handler]:

@@ -6,7 +6,7 @@ import pytest
 from hivemind.proto.auth_pb2 import AccessToken
 
 from conftest import assert_clean_error, start_coordinator
-from hivetrain.access import AccessGrant, RunAuthorizer, issue_grant, load_authority, parse_lifetime
+from hivetrain.access import AccessGrant, RunAuthorizer, issue_grant, load_key, parse_lifetime
 from hivetrain.metrics_store import MetricsReader
 
 
@@ -16,8 +16,8 @@ def _token_of(grant: AccessGrant, public_key: bytes = b"") -> AccessToken:
 
 
 def test_grants_round_trip_and_only_the_authority_signs_them(tmp_path):
-    authority = load_authority(tmp_path / "authority.key")
-    assert load_authority(tmp_path / "authority.key").to_bytes() == authority.to_bytes()  # kept, not regenerated
+    authority = load_key(tmp_path / "authority.key")
+    assert load_key(tmp_path / "authority.key").to_bytes() == authority.to_bytes()  # kept, not regenerated
     assert (tmp_path / "authority.key").stat().st_mode & 0o777 == 0o600
     grant = issue_grant(authority, "alice", parse_lifetime("7d"))
     assert AccessGrant.decode(grant.encode()) == grant
@@ -27,7 +27,7 @@ def test_grants_round_trip_and_only_the_authority_signs_them(tmp_path):
 
     forged = AccessGrant(name="mallory", expires=grant.expires, authority=grant.authority, signature=grant.signature)
     expired = issue_grant(authority, "bob", -60)
-    foreign = issue_grant(load_authority(tmp_path / "other.key"), "eve", 3600)
+    foreign = issue_grant(load_key(tmp_path / "other.key"), "eve", 3600)
     for token in (forged, expired, foreign):
         assert not coordinator.is_token_valid(_token_of(token)), token.name
 
@@ -61,7 +61,7 @@ def test_a_private_run_admits_token_holders_only(spawn, tmp_path):
     assert_clean_error(nobody, nobody.wait(timeout=120), r"refused this peer's requests.*private.*--token")
     foreign = join("foreign", "--token", issue("eve", str(tmp_path / "other.key")))
     assert_clean_error(foreign, foreign.wait(timeout=120), r"refused this peer's requests.*--token for this run")
-    expired = issue_grant(load_authority(tmp_path / "authority.key"), "bob", -60).encode()
+    expired = issue_grant(load_key(tmp_path / "authority.key"), "bob", -60).encode()
     late = join("late", "--token", expired)
     assert_clean_error(late, late.wait(timeout=120), r"token \(for bob\) expired")
 

@@ -100,6 +100,27 @@ def test_a_peer_obeys_only_the_coordinators_signed_rollback(caplog):
             dht.shutdown()
 
 
+def test_a_restarted_coordinator_signs_with_the_same_key(spawn, tmp_path):
+    """A peer obeys only rollback records signed by the key that signed the run record it joined with: a coordinator
+    restarted with the same identity signs with the same key (kept beside the identity), or the peers that joined
+    before the restart would skip its rollbacks."""
+    signers = []
+    for start in ("first", "restarted"):
+        coordinator = spawn(start, "coordinator/start.py", "--host", "127.0.0.1", "--port", "0", "--identity",
+                            str(tmp_path / "coordinator.key"), "--log-dir", str(tmp_path / "coordinator"),
+                            "--validate-every", "0")
+        addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
+        peer = start_dht(DHTOptions(host_maddrs=LOOPBACK, initial_peers=addresses))
+        try:
+            signers.append(fetch_run(peer, None, addresses, timeout=30)[1])
+        finally:
+            peer.shutdown()
+            coordinator.stop()
+    assert signers[0] == signers[1]
+    assert (tmp_path / "coordinator.records.key").stat().st_mode & 0o077 == 0  # its owner's only
+
+
+
 ATTACK_FROM = 3  # outer rounds of honest training first: the best checkpoint is well above chance by then
 DROP = 20  # top-1 points: the attacked model falls to about chance (10%)
 ROLLBACK_LINE = (r"^Rollback (\d+): validation at swarm epoch (\d+) saw top-1 fall to ([\d.]+)%; the swarm goes back to"
@@ -107,19 +128,22 @@ ROLLBACK_LINE = (r"^Rollback (\d+): validation at swarm epoch (\d+) saw top-1 fa
 
 
 # diloco: the pseudo-gradient x1000 from outer round 3. sync: the gradients x-10 from the fourth swarm epoch (AdamW
-# divides by the gradients' own scale, so x1000 would mostly train on; x-10 ascends the loss).
-MODES = {"diloco": (["--mode", "diloco", "--inner-steps", "16"], "scale:1000"),
-         "sync": (["--mode", "sync"], "scale:-10")}
+# divides by the gradients' own scale, so x1000 would mostly train on; x-10 ascends the loss). diloco on two devices:
+# the honest peer trains on two CPU processes (DDP), its rank 0 watches for the rollback and both ranks take it.
+DILOCO = ["--mode", "diloco", "--inner-steps", "16"]
+MODES = {"diloco": (DILOCO, "scale:1000", []),
+         "sync": (["--mode", "sync"], "scale:-10", []),
+         "diloco-2-devices": (DILOCO, "scale:1000", ["--devices", "2", "--device", "cpu"])}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_path, mode):
-    options, attack = MODES[mode]
+    options, attack, honest_options = MODES[mode]
     coordinator, addresses = start_coordinator(
         spawn, tmp_path, "--preset", "demo", *options, "--validate-every", "1", "--rollback-drop", str(DROP),
         "--threads", "1")
     common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1", "--min-peers", "2")
-    peers = {"honest": spawn("honest", "peers/join.py", *common, "--name", "honest"),
+    peers = {"honest": spawn("honest", "peers/join.py", *common, "--name", "honest", *honest_options),
              "attacker": spawn("attacker", "benchmarks/attacks.py", f"{attack}@{ATTACK_FROM}", *common,
                                "--name", "attacker")}
     first = coordinator.wait_for(ROLLBACK_LINE, timeout=150)
