@@ -427,6 +427,9 @@ class DiLoCoDDPStrategy(DDPStrategy):
         self.rounds: Optional[DiLoCoRounds] = None  # rank 0
         self._round = 0  # the swarm's outer round, as rank 0 last told every rank
         self._own_sigterm_handler: Any = None  # the process's SIGTERM handler before Lightning's
+        self._rollback_watcher: Optional[RollbackWatcher] = None  # rank 0, when the coordinator's key is known
+        self.last_rollback: Optional[RollbackRecord] = None  # rank 0: the coordinator's last rollback this peer took
+        self.rollbacks_taken = 0  # every rank
 
     @property
     @override
@@ -488,6 +491,9 @@ class DiLoCoDDPStrategy(DDPStrategy):
             logger.info("Loading the swarm's outer state before the first step")
             self.rounds.load_state_from_peers()
             logger.info(f"Joined the swarm at outer round {self.rounds.round}")
+            if self.options.coordinator_key is not None:
+                self._rollback_watcher = RollbackWatcher(self.dht, self.options.run_id,
+                                                         self.options.coordinator_key).start()
         self._round = self._broadcast_ints(self.rounds.round if self.rounds is not None else 0)[0]
         super().configure_ddp()
 
@@ -529,9 +535,23 @@ class DiLoCoDDPStrategy(DDPStrategy):
         changed = False
         if self.rounds is not None and (samples or non_finite):
             changed = self.rounds.after_inner_step(samples, finite=not non_finite)
-        if self._share_outer_state(changed, in_optimizer_step=True) and non_finite:
-            optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
+        rolled_back = self._take_rollback()
+        changed, rolled_back = self._share_outer_state(changed or rolled_back, in_optimizer_step=True,
+                                                       rolled_back=rolled_back)
+        if changed and non_finite or rolled_back:
+            # the inner optimizer's statistics took the non-finite gradients too, or belong to the training that
+            # went wrong
+            optimizer.state.clear()
         return output
+
+    def _take_rollback(self) -> bool:
+        """Rank 0, between two inner steps: when the coordinator has rolled the swarm back, load the state it serves
+        (HivemindStrategy._follow_rollback). True when this peer now holds it; the ranks learn it with the state."""
+        record = self._rollback_watcher.take(self.rounds.round) if self._rollback_watcher is not None else None
+        if record is None or not wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record):
+            return False
+        self.last_rollback = record
+        return True
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -554,14 +574,18 @@ class DiLoCoDDPStrategy(DDPStrategy):
         if self.rounds is not None:
             self.rounds.withdraw()
 
-    def _share_outer_state(self, changed: bool, in_optimizer_step: bool) -> bool:
-        """Rank 0 tells every rank the swarm's round and whether the parameters changed to a new outer state; when
-        they did, every rank takes rank 0's parameters and moves its LR schedule to the round. Returns `changed`."""
-        changed, self._round = self._broadcast_ints(int(changed), self.rounds.round if self.rounds is not None else 0)
+    def _share_outer_state(self, changed: bool, in_optimizer_step: bool, rolled_back: bool = False
+                           ) -> tuple[bool, bool]:
+        """Rank 0 tells every rank the swarm's round, whether the parameters changed to a new outer state and whether
+        that was a rollback; when they changed, every rank takes rank 0's parameters and moves its LR schedule to the
+        round. Returns (changed, rolled back), the same on every rank."""
+        changed, self._round, rolled_back = self._broadcast_ints(
+            int(changed), self.rounds.round if self.rounds is not None else 0, int(rolled_back))
         if changed:
             _sync_module_states(self.lightning_module)  # rank 0's parameters and buffers to every rank
             _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step)
-        return bool(changed)
+        self.rollbacks_taken += rolled_back
+        return bool(changed), bool(rolled_back)
 
     def _broadcast_ints(self, *values: int) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64, device=self.root_device)
@@ -571,6 +595,9 @@ class DiLoCoDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         # The averager and tracker use the DHT, which belongs to the caller: they go, the DHT stays.
+        if self._rollback_watcher is not None:
+            self._rollback_watcher.stop()
+            self._rollback_watcher = None
         if self.rounds is not None:
             self.rounds.shutdown()
             self.rounds = None

@@ -248,8 +248,8 @@ def _import_training_stack() -> None:
 def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: int | None = None,
            coordinator_key: bytes | None = None) -> int:
     """Train with the swarm. `dht` is None on the other ranks of a peer on several devices (they never touch the
-    swarm); rank 0, or a peer on one device, holds it. `coordinator_key` signed the run record: a peer on one device
-    obeys the rollback records it signs (a peer on several devices does not watch for them yet)."""
+    swarm); rank 0, or a peer on one device, holds it. `coordinator_key` signed the run record: the peer obeys the
+    rollback records it signs (on several devices, rank 0 watches for them and every rank takes the state)."""
     import logging
 
     import lightning.pytorch as pl
@@ -319,7 +319,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         trim_fraction=swarm.trim_fraction,
         target_group_size=swarm.target_group_size,
         verbose=args.verbose,
-        coordinator_key=coordinator_key if devices == 1 else None,
+        coordinator_key=coordinator_key,
     )
     if devices == 1:
         strategy = HivemindStrategy(options, dht=dht, device=torch.device(device))
