@@ -24,8 +24,11 @@ PEERS = 4
 INNER_STEPS = 8
 ROUNDS, SMOKE_ROUNDS = 8, 2
 ATTACKS = ("scale:-10", "scale:1000", "noise", "replay")  # benchmarks/attacks.py's, each with one factor
+# the coordinator's options for each: the defaults, and CenteredClip at a quarter of its default radius (its fixed
+# point lies about radius / (honest peers) from the honest mean, toward an attacker it clips)
 DEFENCES = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip"],
-            "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}  # the coordinator's options for each
+            "centered-clip-r0.25": ["--robust-aggregation", "centered-clip", "--clip-radius", "0.25"],
+            "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}
 ROLLBACK_DROP = 20  # top-1 points: the scale attacks drag an undefended run to about chance (10%)
 ROLLBACK = ["--validate-every", "1", "--rollback-drop", str(ROLLBACK_DROP)]
 ROLLBACK_FROM = 3  # the attacker's first malicious round in a rollback run
@@ -66,18 +69,25 @@ def rollback_recovery(validation_times: list[float], rollbacks: list[dict], hone
                       from_round: int) -> dict:
     """What a rollback run shows: `validation_times` and `rollbacks` (the coordinator's store, RollbackRow fields)
     and each honest peer's epoch and rollback events. Poisoned: the first epoch event of a state the attacker's round
-    `from_round` went into (swarm epoch from_round + 1). Back: each honest peer's first rollback event (printed at its
-    first step on the restored state). None where it never happened."""
-    poisoned = [event["time"] for peer in honest for event in peer["epochs"] if event["epoch"] > from_round]
-    back = [min((event["time"] for event in peer["rollbacks"]), default=None) for peer in honest]
-    before = sorted(t for t in validation_times if not rollbacks or t <= rollbacks[0]["time"])
-    first = rollbacks[0] if rollbacks else None
+    `from_round` went into (swarm epoch from_round + 1). Detected: the coordinator's first rollback. Back: the last
+    honest peer's first rollback event (printed at its first step on the restored state). None where it never
+    happened."""
+    poisoned = min((event["time"] for peer in honest for event in peer["epochs"] if event["epoch"] > from_round),
+                   default=None)
+    firsts = [min((event["time"] for event in peer["rollbacks"]), default=None) for peer in honest]
+    back = None if not firsts or None in firsts else max(firsts)
+    detected = rollbacks[0]["time"] if rollbacks else None
+    times = sorted(validation_times)
+
+    def between(start: Optional[float], end: Optional[float]) -> Optional[float]:
+        return None if start is None or end is None else end - start
+
     return dict(
         rollbacks=len(rollbacks),
-        fell_to=None if first is None else first["top1"],
-        restored_top1=None if first is None else first["best_top1"],
-        recovery_s=(max(back) - min(poisoned)) if poisoned and back and None not in back else None,
-        validation_interval_s=statistics.median(b - a for a, b in zip(before, before[1:])) if len(before) > 1 else None,
+        fell_to=rollbacks[0]["top1"] if rollbacks else None,
+        restored_top1=rollbacks[0]["best_top1"] if rollbacks else None,
+        detected_s=between(poisoned, detected), reloaded_s=between(detected, back), recovery_s=between(poisoned, back),
+        validation_interval_s=statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else None,
     )
 
 
@@ -127,10 +137,15 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
     from benchmarks.bench import _measured_by, _verdict
 
     honest = {run["defence"]: run for run in result["runs"] if run["attack"] is None}
+    # what every run is judged against: four honest peers with hivemind's plain mean, the run nobody attacked or
+    # defended (a defence's own honest run shows what the defence alone costs)
+    reference = honest.get("none") or next(iter(honest.values()))
+    def mean(run: dict) -> float:
+        return sum(run["top1"]) / len(run["top1"])
+
     rows = "".join(
         f"| {run['attack'] or 'none (4 honest peers)'} | {run['defence']} | {min(run['top1']):.1%} |"
-        f" {sum(run['top1']) / len(run['top1']):.1%} |"
-        f" {100 * (min(run['top1']) - min(honest[run['defence']]['top1'])):+.1f} |"
+        f" {mean(run):.1%} | {100 * (mean(run) - mean(reference)):+.1f} |"
         f" {'–' if run['attacker_rounds'] is None else run['attacker_rounds']} | {run['samples_per_s']:.0f} |\n"
         for run in result["runs"])
     verdicts = []
@@ -138,11 +153,12 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         if defence == "none":
             continue
         attacked = [run for run in result["runs"] if run["defence"] == defence and run["attack"] is not None]
-        worst = min(attacked, key=lambda run: min(run["top1"]), default=None)
+        worst = min(attacked, key=mean, default=None)
         if worst is not None:
-            drop = 100 * (min(baseline["top1"]) - min(worst["top1"]))
+            drop = 100 * (mean(reference) - mean(worst))
             verdicts.append(f"{defence} keeps every attacked run within {TOP1_POINTS:.0f} top-1 points of the honest"
-                            " one: " + _verdict(drop <= TOP1_POINTS, f"worst {worst['attack']}, {drop:.1f} points"))
+                            f" run ({reference['defence']}): "
+                            + _verdict(drop <= TOP1_POINTS, f"worst {worst['attack']}, {drop:.1f} points"))
         if "none" in honest:
             overhead = 1 - baseline["samples_per_s"] / honest["none"]["samples_per_s"]
             verdicts.append(f"{defence} costs an honest run at most {OVERHEAD:.0%} of its samples/s: "
@@ -154,11 +170,13 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         f" stretched for {result['peers']} peers) train {result['rounds']} outer rounds; in an attacked run one of the"
         " four is `benchmarks/attacks.py ATTACK`: its pseudo-gradient times -10 or 1000, Gaussian noise of its norm,"
         " or its first round's again in every round. Top-1: the honest peers' final weights on the whole validation"
-        " split (the worst of them, and their mean), and the worst against the honest run under the same defence."
-        " Attacker rounds: the outer rounds it averaged with the others (the coordinator's store). Samples/s: the"
-        " honest peers', summed, on a machine whose two cores all the roles share.\n\n"
-        "| attack | defence | worst honest top-1 | mean honest top-1 | points against honest | attacker rounds |"
-        " samples/s |\n|---|---|---:|---:|---:|---:|---:|\n"
+        " split (the worst of them, and their mean: a peer whose last round went unaveraged ends a few points apart)."
+        " Points: the mean against the mean of the honest run with no defence (the first row); the honest runs under"
+        " each defence show what the defence alone costs. `centered-clip-r0.25`: `--clip-radius 0.25`. Attacker"
+        " rounds: the outer rounds it averaged with the others (the coordinator's store). Samples/s: the honest"
+        " peers', summed, on a machine whose two cores all the roles share. Each row is one run.\n\n"
+        "| attack | defence | worst honest top-1 | mean honest top-1 | points against the honest run | attacker"
+        " rounds | samples/s |\n|---|---|---:|---:|---:|---:|---:|\n"
         f"{rows}\n" + "".join(f"- {verdict}\n" for verdict in verdicts)
     )
     if not result.get("rollbacks"):
@@ -169,7 +187,8 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
 
     rollback_rows = "".join(
         f"| {run['attack']}@{run['from_round']} | {run['rollbacks']} | {figure(run['fell_to'], '.1%')} |"
-        f" {figure(run['restored_top1'], '.1%')} | {figure(run['recovery_s'], '.1f')} |"
+        f" {figure(run['restored_top1'], '.1%')} | {figure(run.get('detected_s'), '.1f')} |"
+        f" {figure(run.get('reloaded_s'), '.1f')} | {figure(run['recovery_s'], '.1f')} |"
         f" {figure(run['validation_interval_s'], '.1f')} |\n" for run in result["rollbacks"])
     late = [run for run in result["rollbacks"] if run["recovery_s"] is None or run["validation_interval_s"] is None
             or run["recovery_s"] > run["validation_interval_s"] + ROLLBACK_SLACK_S]
@@ -181,13 +200,15 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         " below the best sends the swarm back to the best validated state. The attacker plays honest for its first"
         f" {result['rollbacks'][0]['from_round']} rounds (`ATTACK@R`), so that there is a good state to lose, and"
         " attacks in every round after. Top-1 fell to: the validation that called the first rollback. Restored: the"
-        " best validated top-1, the state the peers went back to. Back on it: seconds from the first poisoned state"
-        " (an honest peer's first swarm epoch that the attacker's round went into) to the last honest peer's first"
-        " step on the restored state (their rollback events). Validation interval: the median time between the"
-        " coordinator's validations before the rollback. Rollback restores a state; it does not stop an attacker who"
-        " stays, whose later rounds poison the run again (robust aggregation, above, is the defence for those).\n\n"
-        "| attack | rollbacks | top-1 fell to | restored top-1 | back on it (s) | validation interval (s) |\n"
-        "|---|---:|---:|---:|---:|---:|\n"
+        " best validated top-1, the state the peers went back to. Seconds from the first poisoned state (an honest"
+        " peer's first swarm epoch that the attacker's round went into) to the coordinator's rollback (detected), from"
+        " there to the last honest peer's first step on the restored state (reloaded; the peers' rollback events), and"
+        " in all. Validation interval: the median time between the coordinator's validations (it validates the"
+        " newest state it can download, so it can skip epochs). Rollback restores a state; it does not stop an"
+        " attacker who stays, whose later rounds poison the run again (robust aggregation, above, is the defence for"
+        " those).\n\n"
+        "| attack | rollbacks | top-1 fell to | restored top-1 | detected (s) | reloaded (s) | in all (s) |"
+        " validation interval (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
         f"{rollback_rows}\n"
         f"- Every honest peer trains on the restored state within one validation interval plus"
         f" {ROLLBACK_SLACK_S:.0f} s of the first poisoned one: "

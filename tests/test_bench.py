@@ -152,8 +152,11 @@ def test_rollback_recovery_counts_from_the_first_poisoned_state_to_the_last_peer
               dict(epochs=epochs((3, 101.0), (4, 105.5)), rollbacks=[dict(time=117.5)])]
     rollbacks = [dict(time=112.0, top1=0.09, best_top1=0.91), dict(time=138.0, top1=0.1, best_top1=0.91)]
     found = rollback_recovery([96.0, 100.0, 104.0, 108.0, 112.0, 130.0], rollbacks, honest, from_round=3)
-    # the attacker's round 3 went into swarm epoch 4: poisoned at 104 s, the last peer back at 117.5 s
-    assert found == dict(rollbacks=2, fell_to=0.09, restored_top1=0.91, recovery_s=13.5, validation_interval_s=4.0)
+    # the attacker's round 3 went into swarm epoch 4: poisoned at 104 s, rolled back at 112 s, the last peer back at
+    # 117.5 s; validations every 4 s (the median gap)
+    assert found == dict(rollbacks=2, fell_to=0.09, restored_top1=0.91, detected_s=8.0, reloaded_s=5.5,
+                         recovery_s=13.5, validation_interval_s=4.0)
     # a peer that never took the rollback: no recovery time, and nothing to divide by
     missed = rollback_recovery([96.0], [], [dict(epochs=epochs((4, 104.0)), rollbacks=[])], from_round=3)
-    assert missed == dict(rollbacks=0, fell_to=None, restored_top1=None, recovery_s=None, validation_interval_s=None)
+    assert missed == dict(rollbacks=0, fell_to=None, restored_top1=None, detected_s=None, reloaded_s=None,
+                          recovery_s=None, validation_interval_s=None)
