@@ -137,15 +137,20 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
     from benchmarks.bench import _measured_by, _verdict
 
     honest = {run["defence"]: run for run in result["runs"] if run["attack"] is None}
-    # what every run is judged against: four honest peers with hivemind's plain mean, the run nobody attacked or
-    # defended (a defence's own honest run shows what the defence alone costs)
-    reference = honest.get("none") or next(iter(honest.values()))
+
     def mean(run: dict) -> float:
         return sum(run["top1"]) / len(run["top1"])
 
+    def points(run: dict) -> float:
+        """An attacked run's mean top-1 against the better of the honest runs with no defence and with its own (one
+        run each, and an honest run's top-1 varies by a few points from run to run: the better is the stricter
+        bar); an honest run's against the one with no defence."""
+        names = ("none",) if run["attack"] is None else ("none", run["defence"])
+        return 100 * (mean(run) - max(mean(honest[name]) for name in names if name in honest))
+
     rows = "".join(
         f"| {run['attack'] or 'none (4 honest peers)'} | {run['defence']} | {min(run['top1']):.1%} |"
-        f" {mean(run):.1%} | {100 * (mean(run) - mean(reference)):+.1f} |"
+        f" {mean(run):.1%} | {points(run):+.1f} |"
         f" {'–' if run['attacker_rounds'] is None else run['attacker_rounds']} | {run['samples_per_s']:.0f} |\n"
         for run in result["runs"])
     verdicts = []
@@ -153,12 +158,11 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         if defence == "none":
             continue
         attacked = [run for run in result["runs"] if run["defence"] == defence and run["attack"] is not None]
-        worst = min(attacked, key=mean, default=None)
+        worst = min(attacked, key=points, default=None)
         if worst is not None:
-            drop = 100 * (mean(reference) - mean(worst))
             verdicts.append(f"{defence} keeps every attacked run within {TOP1_POINTS:.0f} top-1 points of the honest"
-                            f" run ({reference['defence']}): "
-                            + _verdict(drop <= TOP1_POINTS, f"worst {worst['attack']}, {drop:.1f} points"))
+                            " run: " + _verdict(-points(worst) <= TOP1_POINTS,
+                                                f"worst {worst['attack']}, {points(worst):+.1f} points"))
         if "none" in honest:
             overhead = 1 - baseline["samples_per_s"] / honest["none"]["samples_per_s"]
             verdicts.append(f"{defence} costs an honest run at most {OVERHEAD:.0%} of its samples/s: "
@@ -171,10 +175,12 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         " four is `benchmarks/attacks.py ATTACK`: its pseudo-gradient times -10 or 1000, Gaussian noise of its norm,"
         " or its first round's again in every round. Top-1: the honest peers' final weights on the whole validation"
         " split (the worst of them, and their mean: a peer whose last round went unaveraged ends a few points apart)."
-        " Points: the mean against the mean of the honest run with no defence (the first row); the honest runs under"
-        " each defence show what the defence alone costs. `centered-clip-r0.25`: `--clip-radius 0.25`. Attacker"
+        " Points: an attacked run's mean against the better of two honest runs, the one with no defence and the one"
+        " with the same defence (each row is one run, and honest runs differ by a few points from run to run: the"
+        " better is the stricter bar); an honest run's against the one with no defence, which shows what the defence"
+        " alone costs. `centered-clip-r0.25`: `--clip-radius 0.25`. Attacker"
         " rounds: the outer rounds it averaged with the others (the coordinator's store). Samples/s: the honest"
-        " peers', summed, on a machine whose two cores all the roles share. Each row is one run.\n\n"
+        " peers', summed, on a machine whose two cores all the roles share.\n\n"
         "| attack | defence | worst honest top-1 | mean honest top-1 | points against the honest run | attacker"
         " rounds | samples/s |\n|---|---|---:|---:|---:|---:|---:|\n"
         f"{rows}\n" + "".join(f"- {verdict}\n" for verdict in verdicts)

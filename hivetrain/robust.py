@@ -19,6 +19,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from hivetrain.config import SwarmConfig
+
 # CenteredClip's iterations. From the coordinate-wise median, a few suffice: each moves the estimate by at most the
 # clipping radius, and the median is already within about a radius of the honest peers' centre.
 CENTERED_CLIP_ITERATIONS = 10
@@ -29,8 +31,8 @@ class RobustAggregation:
     """One way to combine the peers' copies of a part: "centered-clip" or "trimmed-mean" (see the functions below)."""
 
     kind: str
-    clip_radius: float = 1.0
-    trim_fraction: float = 0.25
+    clip_radius: float = SwarmConfig.clip_radius
+    trim_fraction: float = SwarmConfig.trim_fraction
 
     def __post_init__(self) -> None:
         if self.kind not in ("centered-clip", "trimmed-mean"):

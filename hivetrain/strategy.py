@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from hivetrain.config import SwarmConfig
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.record_guard import VettedProgressTracker
@@ -81,8 +82,8 @@ class HivemindOptions:
     # How each all-reduce part combines the peers' copies (hivetrain.robust): "none" (hivemind's weighted mean),
     # "centered-clip" or "trimmed-mean", in both modes.
     robust_aggregation: str = "none"
-    clip_radius: float = 1.0
-    trim_fraction: float = 0.25
+    clip_radius: float = SwarmConfig.clip_radius
+    trim_fraction: float = SwarmConfig.trim_fraction
     target_group_size: Optional[int] = None  # G: average in groups of at most G peers (None: one group), either mode
     # The subkey the run record was signed under (hivetrain.swarm.fetch_run): this peer goes back to the best validated
     # state when a rollback record signed by it says so (hivetrain.rollback). None: no rollbacks.

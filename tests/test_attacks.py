@@ -58,7 +58,7 @@ def test_one_attacker_in_four(attacked_run):
     defence, tmp, coordinator, peers, codes = attacked_run
     assert all(code == 0 for code in codes.values()), codes
     announced = [line for line in coordinator.lines if line.startswith("Robust aggregation: ")]
-    expected = "Robust aggregation: centered-clip (clip radius 1) in every all-reduce"
+    expected = "Robust aggregation: centered-clip (clip radius 0.25) in every all-reduce"
     assert announced == ([] if defence == "none" else [expected])
     attacks = [line for line in peers["attacker"].lines if line.startswith("Attack: ")]
     assert len(attacks) >= 2, peers["attacker"].lines  # it took part: the outcome below is its doing

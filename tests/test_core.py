@@ -1,6 +1,7 @@
 """Run config, model factory and the strategy inside one Lightning Trainer."""
 
 import dataclasses
+import json
 import time
 
 import lightning.pytorch as pl
@@ -53,6 +54,17 @@ def test_robust_aggregation_is_part_of_the_fingerprint():
     fingerprints = {c.fingerprint for c in (config, clipped, wider, trimmed)}
     assert len(fingerprints) == 4  # peers that would combine parts differently never share a run
     assert RunConfig.from_json(wider.to_json()) == wider
+
+
+def test_a_record_from_before_a_setting_existed_keeps_its_meaning_and_fingerprint():
+    # CenteredClip's radius was 1 before its default became 0.25: a run recorded then (its manifest has no
+    # clip_radius) loads with 1 and keeps the fingerprint its checkpoints and records carry
+    config = get_preset("demo")
+    old = config.replace(swarm=dataclasses.replace(config.swarm, clip_radius=1.0))
+    assert "clip_radius" not in json.loads(old.to_json())["swarm"]
+    loaded = RunConfig.from_json(old.to_json())
+    assert loaded.swarm.clip_radius == 1.0 and loaded == old and loaded.fingerprint == old.fingerprint
+    assert config.swarm.clip_radius == 0.25 and config.fingerprint != old.fingerprint
 
 
 def test_warmup_cosine():
