@@ -24,11 +24,15 @@ PEERS = 4
 INNER_STEPS = 8
 ROUNDS, SMOKE_ROUNDS = 8, 2
 ATTACKS = ("scale:-10", "scale:1000", "noise", "replay")  # benchmarks/attacks.py's, each with one factor
-# the coordinator's options for each: the defaults, and CenteredClip at a quarter of its default radius (its fixed
-# point lies about radius / (honest peers) from the honest mean, toward an attacker it clips)
+# the coordinator's options for each: the defaults, and CenteredClip at radius 1, its default until the suite showed
+# that its fixed point, about radius / (honest peers) from the honest mean toward an attacker it clips, costs points
 DEFENCES = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip"],
-            "centered-clip-r0.25": ["--robust-aggregation", "centered-clip", "--clip-radius", "0.25"],
+            "centered-clip-r1": ["--robust-aggregation", "centered-clip", "--clip-radius", "1"],
             "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}
+# what the defences of records written before the suite recorded them meant at their commits (before dc48bea)
+DEFENCES_BEFORE_DC48BEA = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip", "--clip-radius", "1"],
+                           "centered-clip-r0.25": ["--robust-aggregation", "centered-clip", "--clip-radius", "0.25"],
+                           "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}
 ROLLBACK_DROP = 20  # top-1 points: the scale attacks drag an undefended run to about chance (10%)
 ROLLBACK = ["--validate-every", "1", "--rollback-drop", str(ROLLBACK_DROP)]
 ROLLBACK_FROM = 3  # the attacker's first malicious round in a rollback run
@@ -130,7 +134,7 @@ def attacks_suite(work: Path, smoke: bool) -> dict:
     for run in runs + rollbacks:
         del run["honest"]  # the events went into the figures; the record keeps the figures
     return dict(preset="demo", peers=PEERS, inner_steps=INNER_STEPS, rounds=rounds, runs=runs, rollbacks=rollbacks,
-                rollback_drop=ROLLBACK_DROP)
+                rollback_drop=ROLLBACK_DROP, defences={name: DEFENCES[name] for name in defences})
 
 
 def attacks_section(result: dict, env: dict, out: Path) -> str:
@@ -178,9 +182,12 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         " Points: an attacked run's mean against the better of two honest runs, the one with no defence and the one"
         " with the same defence (each row is one run, and honest runs differ by a few points from run to run: the"
         " better is the stricter bar); an honest run's against the one with no defence, which shows what the defence"
-        " alone costs. `centered-clip-r0.25`: `--clip-radius 0.25`. Attacker"
+        " alone costs. Attacker"
         " rounds: the outer rounds it averaged with the others (the coordinator's store). Samples/s: the honest"
-        " peers', summed, on a machine whose two cores all the roles share.\n\n"
+        " peers', summed, on a machine whose two cores all the roles share. Defences, as the coordinator's options: "
+        + "; ".join(f"`{name}`: " + (f"`{' '.join(options)}`" if options else "none (hivemind's mean)")
+                    for name, options in result.get("defences", DEFENCES_BEFORE_DC48BEA).items()
+                    if name in honest) + ".\n\n"
         "| attack | defence | worst honest top-1 | mean honest top-1 | points against the honest run | attacker"
         " rounds | samples/s |\n|---|---|---:|---:|---:|---:|---:|\n"
         f"{rows}\n" + "".join(f"- {verdict}\n" for verdict in verdicts)
