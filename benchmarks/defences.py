@@ -150,7 +150,8 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         run each, and an honest run's top-1 varies by a few points from run to run: the better is the stricter
         bar); an honest run's against the one with no defence."""
         names = ("none",) if run["attack"] is None else ("none", run["defence"])
-        return 100 * (mean(run) - max(mean(honest[name]) for name in names if name in honest))
+        bars = [mean(honest[name]) for name in names if name in honest] or [mean(honest[run["defence"]])]
+        return 100 * (mean(run) - max(bars))
 
     rows = "".join(
         f"| {run['attack'] or 'none (4 honest peers)'} | {run['defence']} | {min(run['top1']):.1%} |"
