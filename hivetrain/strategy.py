@@ -536,23 +536,27 @@ class DiLoCoDDPStrategy(DDPStrategy):
         changed = False
         if self.rounds is not None and (samples or non_finite):
             changed = self.rounds.after_inner_step(samples, finite=not non_finite)
-        rolled_back = self._take_rollback()
-        changed, rolled_back = self._share_outer_state(changed or rolled_back, in_optimizer_step=True,
-                                                       rolled_back=rolled_back)
-        if changed and non_finite or rolled_back:
+        taken, reached = self._take_rollback()
+        # a rollback's downloads replace rank 0's parameters even when they fall short of the served state
+        changed, taken, reached = self._share_outer_state(changed or taken, in_optimizer_step=True, taken=taken,
+                                                          reached=reached)
+        if changed and non_finite or taken:
             # the inner optimizer's statistics took the non-finite gradients too, or belong to the training that
-            # went wrong
+            # went wrong (HivemindStrategy._follow_rollback clears them for any rollback taken, too)
             optimizer.state.clear()
         return output
 
-    def _take_rollback(self) -> bool:
+    def _take_rollback(self) -> tuple[bool, bool]:
         """Rank 0, between two inner steps: when the coordinator has rolled the swarm back, load the state it serves
-        (HivemindStrategy._follow_rollback). True when this peer now holds it; the ranks learn it with the state."""
+        (HivemindStrategy._follow_rollback). Returns (a rollback was taken, this peer now holds its state); the ranks
+        learn both with the state."""
         record = self._rollback_watcher.take(self.rounds.round) if self._rollback_watcher is not None else None
-        if record is None or not wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record):
-            return False
-        self.last_rollback = record
-        return True
+        if record is None:
+            return False, False
+        reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+        if reached:
+            self.last_rollback = record
+        return True, reached
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -575,18 +579,18 @@ class DiLoCoDDPStrategy(DDPStrategy):
         if self.rounds is not None:
             self.rounds.withdraw()
 
-    def _share_outer_state(self, changed: bool, in_optimizer_step: bool, rolled_back: bool = False
-                           ) -> tuple[bool, bool]:
-        """Rank 0 tells every rank the swarm's round, whether the parameters changed to a new outer state and whether
-        that was a rollback; when they changed, every rank takes rank 0's parameters and moves its LR schedule to the
-        round. Returns (changed, rolled back), the same on every rank."""
-        changed, self._round, rolled_back = self._broadcast_ints(
-            int(changed), self.rounds.round if self.rounds is not None else 0, int(rolled_back))
+    def _share_outer_state(self, changed: bool, in_optimizer_step: bool, taken: bool = False, reached: bool = False
+                           ) -> tuple[bool, bool, bool]:
+        """Rank 0 tells every rank the swarm's round, whether the parameters changed to a new outer state, and whether
+        a rollback was taken and its state reached; when they changed, every rank takes rank 0's parameters and moves
+        its LR schedule to the round. Returns (changed, taken, reached), the same on every rank."""
+        changed, self._round, taken, reached = self._broadcast_ints(
+            int(changed), self.rounds.round if self.rounds is not None else 0, int(taken), int(reached))
         if changed:
             _sync_module_states(self.lightning_module)  # rank 0's parameters and buffers to every rank
             _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step)
-        self.rollbacks_taken += rolled_back
-        return bool(changed), bool(rolled_back)
+        self.rollbacks_taken += reached
+        return bool(changed), bool(taken), bool(reached)
 
     def _broadcast_ints(self, *values: int) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int64, device=self.root_device)
