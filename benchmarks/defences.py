@@ -201,8 +201,8 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
 
     rollback_rows = "".join(
         f"| {run['attack']}@{run['from_round']} | {run['rollbacks']} | {figure(run['fell_to'], '.1%')} |"
-        f" {figure(run['restored_top1'], '.1%')} | {figure(run.get('detected_s'), '.1f')} |"
-        f" {figure(run.get('reloaded_s'), '.1f')} | {figure(run['recovery_s'], '.1f')} |"
+        f" {figure(run['restored_top1'], '.1%')} | {figure(run['detected_s'], '.1f')} |"
+        f" {figure(run['reloaded_s'], '.1f')} | {figure(run['recovery_s'], '.1f')} |"
         f" {figure(run['validation_interval_s'], '.1f')} |\n" for run in result["rollbacks"])
     late = [run for run in result["rollbacks"] if run["recovery_s"] is None or run["validation_interval_s"] is None
             or run["recovery_s"] > run["validation_interval_s"] + ROLLBACK_SLACK_S]
