@@ -20,6 +20,8 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.harness import Process
+
 PEERS = 4
 INNER_STEPS = 8
 ROUNDS, SMOKE_ROUNDS = 8, 2
@@ -43,9 +45,10 @@ TOP1_POINTS, OVERHEAD, ROLLBACK_SLACK_S = 2.0, 0.10, 10.0
 
 
 def defended_run(work: Path, name: str, defence: str, attack: Optional[str], rounds: int,
-                 coordinator_options: list[str]) -> dict:
+                 coordinator_options: list[str]) -> tuple[dict, list[Process]]:
     """One run: `attack` (None: four honest peers) against a coordinator with `coordinator_options`; the honest
-    peers' top-1 and samples/s, and the rounds the attacker averaged with the others (the coordinator's store)."""
+    peers' top-1 and samples/s, and the rounds the attacker averaged with the others (the coordinator's store), and
+    the honest peers (stopped, their events kept)."""
     from benchmarks.bench import evaluate_weights, run_swarm
     from benchmarks.churn import peer_rows
     from hivetrain.config import diloco_schedule_flags, get_preset
@@ -65,8 +68,7 @@ def defended_run(work: Path, name: str, defence: str, attack: Optional[str], rou
         attacker_rounds = row.rounds_averaged or 0
     return dict(defence=defence, attack=attack, rounds=rounds, attacker_rounds=attacker_rounds,
                 top1=evaluate_weights([work / f"{name}-peer-{i}.safetensors" for i in range(len(honest))]),
-                samples_per_s=sum(event["samples"] / event["train_seconds"] for event in left),
-                honest=[dict(epochs=peer.events("epoch"), rollbacks=peer.events("rollback")) for peer in honest])
+                samples_per_s=sum(event["samples"] / event["train_seconds"] for event in left)), honest
 
 
 def rollback_recovery(validation_times: list[float], rollbacks: list[dict], honest: list[dict],
@@ -99,12 +101,13 @@ def rollback_run(work: Path, attack: str, rounds: int) -> dict:
     from hivetrain.metrics_store import MetricsReader
 
     name = f"{attack.replace(':', '')}-rollback"
-    run = defended_run(work, name, "rollback", f"{attack}@{ROLLBACK_FROM}", rounds, ROLLBACK)
+    run, honest = defended_run(work, name, "rollback", f"{attack}@{ROLLBACK_FROM}", rounds, ROLLBACK)
     with MetricsReader(work / name / "metrics.sqlite") as reader:
         validation_times = [row.time for row in reader.validations()]
         rollbacks = [vars(row) for row in reader.rollbacks()]
+    events = [dict(epochs=peer.events("epoch"), rollbacks=peer.events("rollback")) for peer in honest]
     run.update(attack=attack, from_round=ROLLBACK_FROM,
-               **rollback_recovery(validation_times, rollbacks, run["honest"], ROLLBACK_FROM))
+               **rollback_recovery(validation_times, rollbacks, events, ROLLBACK_FROM))
     return run
 
 
@@ -117,13 +120,13 @@ def attacks_suite(work: Path, smoke: bool) -> dict:
     attacks = ATTACKS[1:2] if smoke else ATTACKS
     runs = []
     for defence in defences:
-        runs.append(defended_run(work, f"honest-{defence}", defence, None, rounds, DEFENCES[defence]))
+        runs.append(defended_run(work, f"honest-{defence}", defence, None, rounds, DEFENCES[defence])[0])
         print(f"honest, {defence}: top-1 {min(runs[-1]['top1']):.3f}, {runs[-1]['samples_per_s']:.0f} samples/s",
               flush=True)
     for attack in attacks:
         for defence in defences:
             runs.append(defended_run(work, f"{attack.replace(':', '')}-{defence}", defence, attack, rounds,
-                                     DEFENCES[defence]))
+                                     DEFENCES[defence])[0])
             print(f"{attack}, {defence}: honest top-1 {min(runs[-1]['top1']):.3f} (the attacker averaged"
                   f" {runs[-1]['attacker_rounds']} rounds)", flush=True)
     rollbacks = []
@@ -131,8 +134,6 @@ def attacks_suite(work: Path, smoke: bool) -> dict:
         rollbacks.append(rollback_run(work, attack, rounds))
         print(f"{attack}@{ROLLBACK_FROM}, rollback: {rollbacks[-1]['rollbacks']} rollback(s), back on the restored"
               f" state {rollbacks[-1]['recovery_s']} s after the first poisoned one", flush=True)
-    for run in runs + rollbacks:
-        del run["honest"]  # the events went into the figures; the record keeps the figures
     return dict(preset="demo", peers=PEERS, inner_steps=INNER_STEPS, rounds=rounds, runs=runs, rollbacks=rollbacks,
                 rollback_drop=ROLLBACK_DROP, defences={name: DEFENCES[name] for name in defences})
 
@@ -174,7 +175,7 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
                             + _verdict(overhead <= OVERHEAD, f"{overhead:.1%}"))
     section = (
         "## attacks\n\n"
-        f"{_measured_by('attacks', env)} A coordinator and {result['peers']} peers of the `{result['preset']}`"
+        f"{_measured_by(env)} A coordinator and {result['peers']} peers of the `{result['preset']}`"
         f" preset (diloco, {result['inner_steps']} inner steps per round, one torch thread each, the schedule"
         f" stretched for {result['peers']} peers) train {result['rounds']} outer rounds; in an attacked run one of the"
         " four is `benchmarks/attacks.py ATTACK`: its pseudo-gradient times -10 or 1000, Gaussian noise of its norm,"
