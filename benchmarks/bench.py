@@ -515,7 +515,7 @@ def _join_section(result: dict, env: dict, out: Path) -> str:
     tiny = next(run for run in result["runs"] if run["preset"] == "demo")
     return (
         "## join\n\n"
-        f"{_measured_by('join', env)} For each preset, a coordinator and a seed peer training it on loopback (one"
+        f"{_measured_by(env)} For each preset, a coordinator and a seed peer training it on loopback (one"
         " torch thread each); peers join one after another and download the seed's state (parameters and AdamW"
         " statistics). Seconds from the joiner's process start. `digits-vit-b32` is ViT-B/32 with its full state"
         " (88M parameters, random weights) on 32 px digits.\n\n"
@@ -553,7 +553,7 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
                    " round") for r in diloco)
     return (
         "## throughput\n\n"
-        f"{_measured_by('throughput', env)} The `{result['preset']}` preset, {result['batch_size']} samples per local"
+        f"{_measured_by(env)} The `{result['preset']}` preset, {result['batch_size']} samples per local"
         " step, on equal hardware: two processes with one torch thread each for DDP (gloo) and for the swarm's two"
         " peers (plus the coordinator, which only bootstraps and monitors here), one process with two threads for"
         " single. The swarm's samples/s are summed over its peers' own counts between the moment both trained and"
@@ -591,7 +591,7 @@ def _links_section(result: dict, env: dict, out: Path) -> str:
     bytes_share = slowest["diloco"]["bytes_per_sample"] / slowest["ddp"]["bytes_per_sample"]
     return (
         "## links\n\n"
-        f"{_measured_by('links', env)} Two peers in network namespaces of their own, joined by one veth pair shaped"
+        f"{_measured_by(env)} Two peers in network namespaces of their own, joined by one veth pair shaped"
         " in both directions with a token bucket (`tc ... tbf`) to each rate; the coordinator runs beside the first"
         f" peer. The `{result['preset']}` preset, {result['batch_size']} samples per local step, one torch thread per"
         " process: DDP with one process per namespace (gloo over the veth), the sync swarm at target batch"
@@ -626,7 +626,7 @@ def _communication_section(result: dict, env: dict, out: Path) -> str:
         f" {cost[r['compression']]:+.1f} |\n" for r in runs)
     return (
         "## communication\n\n"
-        f"{_measured_by('communication', env)} For each compression (applied to gradient averaging, parameter and"
+        f"{_measured_by(env)} For each compression (applied to gradient averaging, parameter and"
         f" state averaging and state downloads alike), a coordinator and two peers train the `{result['preset']}`"
         f" preset for {runs[0]['epochs']} swarm epochs. Bytes are Linux's counter of the loopback interface over the"
         " whole run (start-up, DHT, telemetry, the joiners' state downloads, leaving), divided by the samples the"
@@ -695,7 +695,7 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                    " parameters of the one peer it downloads them from.")
     return (
         "## convergence\n\n"
-        f"{_measured_by('convergence', env)} The `{result['preset']}` preset from the same initial weights with the"
+        f"{_measured_by(env)} The `{result['preset']}` preset from the same initial weights with the"
         f" same LR schedule and {result['global_batch_size']} samples per optimizer step: single (batch 32,"
         " accumulating 4), DDP (2 processes x 32, accumulating 2) and a swarm of 2 peers (target batch"
         f" {result['global_batch_size']}).{diloco} The baselines validate after each pass over the training data, the"
@@ -714,10 +714,10 @@ def _verdict(met: bool, what: str) -> str:
     return f"{'**Met**' if met else '**Not met**'} ({what})."
 
 
-def _measured_by(suite: str, env: dict) -> str:
-    command = env.get("command", f"python -m benchmarks.bench {suite}")
-    return (f"`{command}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python {env['python']}, torch"
-            f" {env['torch']}, hivemind {env['hivemind']}).")
+def _measured_by(env: dict) -> str:
+    """The line every section opens with: `env` as render() gives it, with the command that measured the suite."""
+    return (f"`{env['command']}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python {env['python']},"
+            f" torch {env['torch']}, hivemind {env['hivemind']}).")
 
 
 SUITES = {

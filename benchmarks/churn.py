@@ -224,7 +224,7 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
     steady, churn = result["rounds_steady"], result["rounds_churn"]
     return (
         "## churn\n\n"
-        f"{_measured_by('churn', env)} A coordinator and {result['peers']} peers of the `{result['preset']}` preset"
+        f"{_measured_by(env)} A coordinator and {result['peers']} peers of the `{result['preset']}` preset"
         f" (diloco, {result['inner_steps']} inner steps per round, one torch thread each) train undisturbed for"
         f" {result['steady_s']:.0f} s, then for {result['churn_s']:.0f} s a peer leaves at seeded random intervals"
         f" (seed {result['seed']}, 20-40 s apart), cleanly (SIGTERM) or killed (SIGKILL), and a new peer starts at"

@@ -83,7 +83,7 @@ def monitor_section(result: dict, env: dict, out: Path) -> str:
     largest = max(result["results"], key=lambda r: r["publishers"])
     return (
         "## monitor\n\n"
-        f"{_measured_by('monitor', env)} A coordinator (no validation, a look every 2 s) and N lightweight"
+        f"{_measured_by(env)} A coordinator (no validation, a look every 2 s) and N lightweight"
         f" publishers (`benchmarks/publishers.py`, {result['per_process']} per process): DHT-only stand-ins for"
         f" peers that store a signed metrics record and a signed hivemind progress record every {PUBLISH_EVERY:.0f} s"
         f" (±20%), each under its own key, with the lifetimes real peers use ({PEER_RECORD_TTL:.0f} s and"
