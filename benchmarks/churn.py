@@ -7,15 +7,20 @@ average. It measures what volunteers coming and going cost the run:
   and until the coordinator marks it left;
 - each joiner's time from its process start to its state and its first step;
 - the samples departed peers trained after their last round (computed, never applied), and the rounds that were
-  averaged, taken alone or failed in each phase.
+  averaged, taken alone or failed in each phase;
+- where the machine's CPU went: every role shares its cores, so each joiner's start-up (its CPU seconds to its first
+  step) and each leaver's exit (seconds from the signal until its command returned, and the CPU seconds it used
+  meanwhile) is taken from the peers that train, as it would not be on volunteers' own machines.
 
 Figures come from the peers' events, the coordinator's metrics store and a DHT reader polling the progress key.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -75,6 +80,14 @@ class CountWatch(threading.Thread):
         self.dht.shutdown()
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds this machine's cores have been busy since boot (all processes)."""
+    import psutil
+
+    times = psutil.cpu_times()
+    return times.user + times.nice + times.system + times.irq + times.softirq + times.steal
+
+
 def applied_samples(peer: Process, start: float, end: float) -> int:
     """Samples the peer trained that reached a round between `start` and `end`: its cumulative samples at its last
     swarm epoch by `end` less those at its last one by `start` (each epoch of a diloco peer ends a round)."""
@@ -131,9 +144,9 @@ def churn_suite(work: Path, smoke: bool) -> dict:
         watch = CountWatch(addresses, run_id)
         watch.start()
         time.sleep(20)  # every peer through its first round
-        steady_from, rounds_start = time.time(), rounds_by_peer(store)
+        steady_from, rounds_start, busy_from = time.time(), rounds_by_peer(store), busy_cpu_seconds()
         time.sleep(steady_s)
-        churn_from = time.time()
+        churn_from, busy_steady = time.time(), busy_cpu_seconds()
         rounds_steady = rounds_by_peer(store)
         steady_rate = sum(applied_samples(p, steady_from, churn_from) for p in training) / (churn_from - steady_from)
         print(f"steady: {steady_rate:.1f} samples/s over {churn_from - steady_from:.0f} s", flush=True)
@@ -157,7 +170,7 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             print(f"{time.time() - churn_from:.0f} s: {kind} {victim.log.stem}, {joiner.log.stem} joins", flush=True)
             next_at += rng.uniform(*gap_s)
         time.sleep(max(0.0, churn_from + churn_s - time.time()))
-        churn_to = time.time()
+        churn_to, busy_churn = time.time(), busy_cpu_seconds()
         rounds_end = rounds_by_peer(store)
         churn_rate = sum(applied_samples(p, churn_from, churn_to) for p in everyone) / (churn_to - churn_from)
         print(f"churn: {churn_rate:.1f} samples/s over {churn_to - churn_from:.0f} s", flush=True)
@@ -177,14 +190,18 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             try:
                 first_step = joiner.wait_for_event("first_step", timeout=60)["time"] - joiner.started
                 state_loaded = joiner.event("state_loaded")["time"] - joiner.started
+                join_cpu = joiner.cpu_seconds(joiner.started + first_step)
             except RuntimeError:  # killed later in the churn before its first step, or still loading at the end
-                first_step = state_loaded = None
+                first_step = state_loaded = join_cpu = None
+            exited = victim.exited_at  # what the volunteer sees: the command has returned
             events.append(dict(
                 kind=d["kind"], at_s=d["at"] - churn_from, peer=victim.log.stem, joiner=joiner.log.stem,
                 stopped_counting_s=None if gone is None else gone - d["at"],
                 coordinator_marked_left_s=None if marked is None else marked - d["at"],
                 unapplied_samples=max(0, computed - applied), join_state_loaded_s=state_loaded,
-                join_first_step_s=first_step))
+                join_first_step_s=first_step, join_cpu_s=join_cpu,
+                exit_s=None if exited is None else exited - d["at"],
+                exit_cpu_s=victim.cpu_seconds(float("inf")) - victim.cpu_seconds(d["at"])))
 
         def phase(before: dict, after: dict) -> dict:
             totals = [sum(after[p][i] - before.get(p, (0, 0, 0))[i] for p in after) for i in range(3)]
@@ -193,6 +210,8 @@ def churn_suite(work: Path, smoke: bool) -> dict:
         return dict(
             preset="demo", peers=PEERS, inner_steps=INNER_STEPS, seed=SEED, steady_s=churn_from - steady_from,
             churn_s=churn_to - churn_from, steady_samples_per_s=steady_rate, churn_samples_per_s=churn_rate,
+            cpu_cores=os.cpu_count(), steady_busy_cores=(busy_steady - busy_from) / (churn_from - steady_from),
+            churn_busy_cores=(busy_churn - busy_steady) / (churn_to - churn_from),
             rounds_steady=phase(rounds_start, rounds_steady),
             rounds_churn=phase(rounds_steady, rounds_end), events=events)
     finally:
@@ -202,6 +221,23 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             role.stop()
 
 
+def _cpu_paragraph(result: dict) -> str:
+    """Where the machine's CPU went during churn: the roles share its cores, so what joiners and leavers use is
+    taken from the peers that train."""
+    events = result["events"]
+    joins = sum(e["join_cpu_s"] for e in events if e.get("join_cpu_s") is not None)
+    exits = sum(e["exit_cpu_s"] for e in events if e.get("exit_cpu_s") is not None)
+    window = result["cpu_cores"] * result["churn_s"]
+    started = [e for e in events if e.get("join_cpu_s") is not None and e.get("join_first_step_s")]
+    share = statistics.median(e["join_cpu_s"] / e["join_first_step_s"] for e in started) if started else float("nan")
+    return (f"CPU: the machine's {result['cpu_cores']} cores were busy {result['steady_busy_cores']:.2f} cores on"
+            f" average undisturbed and {result['churn_busy_cores']:.2f} under churn. The joiners' start-ups took"
+            f" {joins:.0f} CPU seconds and the leavers' exits {exits:.0f}: {(joins + exits) / window:.0%} of the"
+            f" {window:.0f} CPU seconds of the churn window, taken from the peers that train (on volunteers' own"
+            " machines a joiner's start-up costs the others nothing). A joiner had a median"
+            f" {share:.2f} of a core until its first step.\n\n")
+
+
 def churn_section(result: dict, env: dict, out: Path) -> str:
     from benchmarks.bench import _measured_by, _verdict
 
@@ -209,10 +245,14 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
         return "–" if value is None else f"{value:.1f}"
 
     events = result["events"]
+    cpu = "churn_busy_cores" in result  # records from before the CPU figures have none of them
     rows = "".join(
         f"| {e['at_s']:.0f} | {e['kind']} | {e['peer']} | {seconds(e['stopped_counting_s'])} |"
-        f" {seconds(e['coordinator_marked_left_s'])} | {e['unapplied_samples']} | {e['joiner']} |"
-        f" {seconds(e['join_state_loaded_s'])} | {seconds(e['join_first_step_s'])} |\n" for e in events)
+        f" {seconds(e['coordinator_marked_left_s'])} |"
+        + (f" {seconds(e['exit_s'])} | {seconds(e['exit_cpu_s'])} |" if cpu else "")
+        + f" {e['unapplied_samples']} | {e['joiner']} | {seconds(e['join_state_loaded_s'])} |"
+        f" {seconds(e['join_first_step_s'])} |" + (f" {seconds(e['join_cpu_s'])} |" if cpu else "") + "\n"
+        for e in events)
     ratio = result["churn_samples_per_s"] / result["steady_samples_per_s"]
     clean = [e["stopped_counting_s"] for e in events if e["kind"] == "leave"]
     killed = [e["stopped_counting_s"] for e in events if e["kind"] == "kill"]
@@ -231,16 +271,22 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
         " once in its place. Samples/s: samples the peers trained up to their last completed round in each window,"
         " per second (peers' epoch events). Stops counting: seconds from the signal until hivemind's progress"
         " records, polled every 0.25 s by a DHT reader, no longer count the peer; marked left: until the coordinator's"
-        " store does (a look every second). Unapplied: samples the departed peer trained after its last round."
-        " Join: seconds from the new peer's process start (about 5 s of it imports).\n\n"
+        " store does (a look every second)."
+        + (" Exited: until the departed peer's command returned, and the CPU seconds its processes used from the"
+           " signal on." if cpu else "")
+        + " Unapplied: samples the departed peer trained after its last round. Join: seconds from the new peer's"
+        " process start (about 5 s of it imports)"
+        + (", and the CPU seconds its processes used until its first step" if cpu else "") + ".\n\n"
         f"| | samples/s | rounds averaged | alone | failed |\n|---|---:|---:|---:|---:|\n"
         f"| undisturbed | {result['steady_samples_per_s']:.1f} | {steady['averaged']} | {steady['alone']} |"
         f" {steady['failed']} |\n"
         f"| churn | {result['churn_samples_per_s']:.1f} ({ratio:.0%}) | {churn['averaged']} | {churn['alone']} |"
         f" {churn['failed']} |\n\n"
-        "| at (s) | event | peer | stops counting (s) | marked left (s) | unapplied samples | joiner |"
-        " state loaded (s) | first step (s) |\n|---:|---|---|---:|---:|---:|---|---:|---:|\n"
-        f"{rows}\n"
+        "| at (s) | event | peer | stops counting (s) | marked left (s) |"
+        + (" exited (s) | exit CPU (s) |" if cpu else "") + " unapplied samples | joiner | state loaded (s) |"
+        " first step (s) |" + (" CPU to first step (s) |" if cpu else "") + "\n"
+        "|---:|---|---|---:|---:|" + ("---:|---:|" if cpu else "") + "---:|---|---:|---:|" + ("---:|" if cpu else "")
+        + f"\n{rows}\n{_cpu_paragraph(result) if cpu else ''}"
         "Targets: a departed peer stops counting within 2 s of a clean leave "
         + _verdict(worst(clean) <= 2, f"worst {worst(clean):.1f} s") + " Within 15 s of SIGKILL "
         + _verdict(worst(killed) <= 15, f"worst {worst(killed):.1f} s") + " Throughput under churn at least 85% of"

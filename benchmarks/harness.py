@@ -38,6 +38,7 @@ class Process:
         self.log, self.events_path, self.echo = log, events, echo
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line arrived (time.time())
+        self.exited_at: Optional[float] = None  # when the process exited (what it started may take longer)
         self.cpu: list[tuple[float, float, float]] = []  # (time, CPU seconds of the main process, of its descendants)
         self.started = time.time()
         self.popen = subprocess.Popen(
@@ -47,6 +48,7 @@ class Process:
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        threading.Thread(target=self._note_exit, daemon=True).start()
         if sample_cpu:
             threading.Thread(target=self._sample_cpu, daemon=True).start()
 
@@ -59,6 +61,10 @@ class Process:
                 self.lines.append(line.rstrip("\n"))
                 if self.echo is not None:
                     self.echo(line)
+
+    def _note_exit(self) -> None:
+        self.popen.wait()
+        self.exited_at = time.time()
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
         """The first output line matching `pattern`, waiting up to `timeout` seconds for it."""
@@ -125,6 +131,10 @@ class Process:
             raise RuntimeError(f"too few CPU samples of {self.log} between {start:.0f} and {end:.0f}")
         (t0, main0, rest0), (t1, main1, rest1) = inside[0], inside[-1]
         return (main1 - main0) / (t1 - t0), (rest1 - rest0) / (t1 - t0)
+
+    def cpu_seconds(self, at: float) -> float:
+        """CPU seconds of the process and its descendants from its start to its last sample at or before `at`."""
+        return max((main + descendants for when, main, descendants in list(self.cpu) if when <= at), default=0.0)
 
     def rss_bytes(self) -> int:
         """Resident memory of the process and its descendants now."""

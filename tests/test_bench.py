@@ -128,7 +128,11 @@ def test_churn_suite_smoke():
     [event, *_] = result["events"]
     assert event["kind"] in ("leave", "kill") and event["stopped_counting_s"] is not None
     assert 0 < event["join_state_loaded_s"] <= event["join_first_step_s"]
+    assert 0 < event["join_cpu_s"]  # its imports alone take seconds of CPU
+    assert 0 < event["exit_s"] and event["exit_cpu_s"] >= 0  # it is gone, and what it used after the signal
+    assert 0 < result["steady_busy_cores"] <= result["cpu_cores"]
     assert section.startswith("## churn") and f"| {event['kind']} |" in section
+    assert "CPU: the machine's" in section
 
 
 def test_attacks_suite_smoke():
