@@ -110,6 +110,9 @@ class HivemindStrategy(SingleDeviceStrategy):
       every inner step (interval "step"); after each round it stands at least at round x inner_steps, so a slow or late
       peer continues the swarm's schedule rather than its own.
 
+    With gradient accumulation, one optimizer step counts accumulate_grad_batches batches' samples. Manual optimization
+    is refused at setup: the swarm's step is the optimizer step that Lightning runs for the module.
+
     setup replaces the trainer's optimizers and schedulers (and, for fp16 or reuse_grad_buffers, the precision
     plugin's scaler and the module's optimizer_zero_grad); teardown puts them back, so the module can be fit again,
     with this strategy or another.
@@ -213,15 +216,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(f"{type(self).__name__} trains with exactly one optimizer, got {len(self.optimizers)}")
+        refuse_what_a_swarm_cannot_train(self, trainer)
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        if len(schedulers) > 1:
-            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler (a SequentialLR or "
-                             "ChainedScheduler can combine several)")
-        for scheduler in schedulers:
-            check_scheduler(scheduler, self.optimizers[0])
         self._replaced = _ReplacedForSwarm.take(self)
+        self.options = samples_per_optimizer_step(self.options, trainer)
         if self.options.coordinator_key is not None:
             self._rollback_watcher = RollbackWatcher(self.dht, self.options.run_id, self.options.coordinator_key)
             self._rollback_watcher.start()
@@ -332,6 +330,30 @@ def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def refuse_what_a_swarm_cannot_train(strategy: pl.strategies.Strategy, trainer: pl.Trainer) -> None:
+    """At setup, refuse what a module brings that the swarm cannot train with, saying what to do instead."""
+    name = type(strategy).__name__
+    if not trainer.lightning_module.automatic_optimization:
+        # Lightning's manual optimization hands the optimizer step a closure that trains nothing: the swarm's step
+        # would never run, and the peer would train alone without a word.
+        raise ValueError(f"{name} needs automatic optimization: the swarm averages inside the optimizer step that"
+                         " Lightning runs for you. Return the loss from training_step and leave"
+                         " automatic_optimization on.")
+    if len(strategy.optimizers) != 1:
+        raise ValueError(f"{name} trains with exactly one optimizer, got {len(strategy.optimizers)}")
+    if len(strategy.lr_scheduler_configs) > 1:
+        raise ValueError(f"{name} supports at most one LR scheduler (a SequentialLR or ChainedScheduler can combine"
+                         " several)")
+    for config in strategy.lr_scheduler_configs:
+        check_scheduler(config.scheduler, strategy.optimizers[0])
+
+
+def samples_per_optimizer_step(options: HivemindOptions, trainer: pl.Trainer) -> HivemindOptions:
+    """The options with the samples behind one optimizer step: with gradient accumulation Lightning steps once per
+    accumulate_grad_batches batches, and the swarm must count all of them toward its epochs and rounds."""
+    return dataclasses.replace(options, batch_size=options.batch_size * trainer.accumulate_grad_batches)
+
+
 def _keep_gradients(*args: Any, **kwargs: Any) -> None:
     pass
 
@@ -428,6 +450,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         self.rounds: Optional[DiLoCoRounds] = None  # rank 0
         self._round = 0  # the swarm's outer round, as rank 0 last told every rank
         self._own_sigterm_handler: Any = None  # the process's SIGTERM handler before Lightning's
+        self._given: Optional[tuple] = None  # (options, LR scheduler configs) as they were before setup replaced them
         self._rollback_watcher: Optional[RollbackWatcher] = None  # rank 0, when the coordinator's key is known
         self.last_rollback: Optional[RollbackRecord] = None  # rank 0: the coordinator's last rollback this peer took
         self.rollbacks_taken = 0  # every rank
@@ -500,16 +523,15 @@ class DiLoCoDDPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # before DDP's set-up, which builds the rounds (configure_ddp); teardown puts both back
+            self._given = (self.options, None)
+            self.options = samples_per_optimizer_step(self.options, trainer)
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        if not fitting:
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(f"{type(self).__name__} trains with exactly one optimizer, got {len(self.optimizers)}")
-        if len(self.lr_scheduler_configs) > 1:
-            raise ValueError(f"{type(self).__name__} supports at most one LR scheduler (a SequentialLR or "
-                             "ChainedScheduler can combine several)")
-        for config in self.lr_scheduler_configs:
-            check_scheduler(config.scheduler, self.optimizers[0])
+        refuse_what_a_swarm_cannot_train(self, trainer)
+        self._given = (self._given[0], list(self.lr_scheduler_configs))
         self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
         _advance_schedules(self.lr_scheduler_configs, self._round * self.options.inner_steps, in_optimizer_step=False)
         self._own_sigterm_handler = signal.getsignal(signal.SIGTERM)  # Lightning installs its own after setup
@@ -606,6 +628,11 @@ class DiLoCoDDPStrategy(DDPStrategy):
         if self.rounds is not None:
             self.rounds.shutdown()
             self.rounds = None
+        if self._given is not None:  # what setup replaced: the module can be fit again, with any strategy
+            options, scheduler_configs = self._given
+            self.options, self._given = options, None
+            if scheduler_configs is not None:
+                self.lr_scheduler_configs = scheduler_configs
         super().teardown()
 
 

@@ -255,6 +255,95 @@ def test_reduce_on_plateau_is_refused_with_what_to_use_instead(mode):
         _fit(_PlateauRegression(), strategy, steps=2)
 
 
+class _Manual(_Regression):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+class _Configured(_Regression):
+    """_Regression whose configure_optimizers returns what `make(module)` builds."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def configure_optimizers(self):
+        return self.make(self)
+
+    def lr_scheduler_step(self, scheduler, metric):  # how Lightning takes a scheduler that is not torch's
+        scheduler.step()
+
+
+class _OwnSchedule:
+    """A scheduler of the user's own, not torch's."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _two_schedulers(module):
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2), torch.optim.lr_scheduler.StepLR(optimizer, 3)]
+
+
+def _own_scheduler(module):
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    return dict(optimizer=optimizer, lr_scheduler=dict(scheduler=_OwnSchedule(optimizer)))
+
+
+# (Lightning itself refuses several optimizers without manual optimization, and a scheduler of an optimizer that
+# configure_optimizers did not return.)
+REFUSED = {
+    "manual optimization": (_Manual, "needs automatic optimization.*Return the loss from training_step"),
+    "two schedulers": (lambda: _Configured(_two_schedulers), "at most one LR scheduler.*SequentialLR"),
+    "a scheduler of its own": (lambda: _Configured(_own_scheduler), "_OwnSchedule"),
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+@pytest.mark.parametrize("what", REFUSED)
+def test_what_a_swarm_cannot_train_is_refused_at_setup(what, mode):
+    make_module, message = REFUSED[what]
+    strategy = HivemindStrategy(
+        HivemindOptions(run_id=f"test_refused_{mode}", target_batch_size=32, batch_size=16, mode=mode),
+        network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+    )
+    with pytest.raises(ValueError, match=message):
+        _fit(make_module(), strategy, steps=2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "diloco"])
+def test_gradient_accumulation_counts_every_batch_toward_the_swarm(mode):
+    """Two batches of 16 per optimizer step: 4 steps are 128 samples, two swarm epochs of 64 (sync) or two rounds of
+    2 inner steps (diloco) for a peer alone; counting one batch per step would make one."""
+    torch.set_num_threads(1)
+    strategy = HivemindStrategy(
+        HivemindOptions(run_id=f"test_accumulate_{mode}", target_batch_size=64, batch_size=16, matchmaking_time=0.5,
+                        mode=mode, inner_steps=2),
+        network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+    )
+    seen = _fit(_Regression(), strategy, steps=4, accumulate_grad_batches=2)
+    assert len(seen.learning_rates) == 8  # batches
+    assert seen.swarm_epoch == 2
+    assert strategy.options.batch_size == 16  # put back at teardown
+
+
 class _RecordingRegression(_Regression):
     """_Regression that records the dtype its layer computed in and each loss."""
 
