@@ -18,21 +18,7 @@ import re
 from typing import Any, Callable, Optional, Sequence
 
 import hivemind
-import hivemind.averaging.averager
-import hivemind.dht.dht
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import TensorPartReducer
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.optim.grad_averager import GradientAverager
-from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
-from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.p2p import P2P, PeerID
-from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
-from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.multiaddr import Multiaddr
 
 SUPPORTED_HIVEMIND_VERSIONS = ("1.1.12",)
 
@@ -46,7 +32,23 @@ def check_hivemind_version(installed: str) -> None:
             f"version: pip install hivemind=={SUPPORTED_HIVEMIND_VERSIONS[-1]}")
 
 
+# before the imports below: on another version, any of them may be gone, and the message above says why
 check_hivemind_version(hivemind.__version__)
+
+import hivemind.averaging.averager  # noqa: E402
+import hivemind.dht.dht  # noqa: E402
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode  # noqa: E402
+from hivemind.averaging.group_info import GroupInfo  # noqa: E402
+from hivemind.averaging.partition import TensorPartReducer  # noqa: E402
+from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
+from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
+from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker  # noqa: E402
+from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
+from hivemind.p2p import P2P, PeerID  # noqa: E402
+from hivemind.utils import get_dht_time  # noqa: E402
+from hivemind.utils.asyncio import as_aiter, azip  # noqa: E402
+from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
+from hivemind.utils.multiaddr import Multiaddr  # noqa: E402
 
 
 # --- serialisation ------------------------------------------------------------------------------------------------
@@ -174,6 +176,11 @@ def sign_records_with(key: RSAPrivateKey) -> None:
 
 
 # --- logging and networking ---------------------------------------------------------------------------------------
+
+def is_averager_cut_short(error: BaseException) -> bool:
+    """The error of finalising an averager whose __init__ was interrupted before it set its private _parent_pid."""
+    return isinstance(error, AttributeError) and "_parent_pid" in str(error)
+
 
 def hivemind_log_handler() -> Optional[logging.Handler]:
     """The handler hivemind installs on its loggers (None when hivemind's logging is off): the only place to filter

@@ -26,7 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
 from hivetrain.config import RunConfig
-from hivetrain.hivemind_internals import hivemind_log_handler, progress_subkey
+from hivetrain.hivemind_internals import hivemind_log_handler, is_averager_cut_short, progress_subkey
 from hivetrain.record_guard import (KeyRule, add_validators_once, guard_keys, guard_run_keys, usable_entries,
                                     warn_skipped)
 
@@ -165,7 +165,7 @@ def _quiet_unraisable(unraisable) -> None:
     if isinstance(unraisable.exc_value, KeyboardInterrupt) and _leaving.is_set():
         return
     # An averager whose __init__ that interrupt cut short cannot finalise itself; its process is a daemon and ends.
-    if isinstance(unraisable.exc_value, AttributeError) and "_parent_pid" in str(unraisable.exc_value):
+    if is_averager_cut_short(unraisable.exc_value):
         return
     sys.__unraisablehook__(unraisable)
 
