@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import logging
 import os
@@ -231,6 +232,11 @@ def run_role(work: Callable[[], int], farewell: str) -> int:
     except KeyboardInterrupt:
         print(farewell, flush=True)
         return 0
+    finally:
+        # Exiting: the interpreter's finalization would walk every object of torch, Lightning and hivemind in full
+        # garbage collections (seconds of CPU on a busy machine, before the volunteer's prompt comes back); frozen
+        # objects are left to the exit.
+        gc.freeze()
 
 
 def start_dht(options: DHTOptions, while_connecting: Callable[[], None] = lambda: None) -> hivemind.DHT:
