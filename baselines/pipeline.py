@@ -151,9 +151,9 @@ class PipelineTrainer:
 def train_pipeline(config: RunConfig, datamodule: ImageDataModule, device_type: str, devices: int, num_nodes: int,
                    schedule: str, microbatches: int, accumulate: int, precision: str, epochs: int, max_steps: int,
                    validate: bool, pretrained_weights: Optional[str], best_path: Path, final_path: Optional[Path],
-                   tensorboard, nvidia_smi_path: Path) -> Optional[RunStats]:
+                   loggers: list, nvidia_smi_path: Path) -> Optional[RunStats]:
     """Start the node's other processes (each runs this same command), train, and return the run's stats on rank 0;
-    None on the other ranks."""
+    None on the other ranks. `loggers` are Lightning loggers (TensorBoard, W&B), written to as a Trainer would."""
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator=device_type, devices=devices, num_nodes=num_nodes, strategy="ddp")
@@ -186,7 +186,8 @@ def train_pipeline(config: RunConfig, datamodule: ImageDataModule, device_type: 
             stats.train_samples += sum(len(labels) for _, labels in pending)
             pending = []
             step += 1
-            tensorboard.log_metrics({"train/loss": loss}, step=step)  # rank 0 only, as all Lightning loggers
+            for logger in loggers:  # rank 0 only, as all Lightning loggers
+                logger.log_metrics({"train/loss": loss}, step=step)
             if step == max_steps:
                 break
         stats.epochs = epoch + 1
@@ -200,7 +201,8 @@ def train_pipeline(config: RunConfig, datamodule: ImageDataModule, device_type: 
                                     loss=round(metrics["loss"], 6), top1=round(metrics["top1"], 6),
                                     top5=round(metrics["top5"], 6))
             stats.validation.append(point)
-            tensorboard.log_metrics({"val/loss": point.loss, "val/top1": point.top1, "val/top5": point.top5}, step=step)
+            for logger in loggers:
+                logger.log_metrics({"val/loss": point.loss, "val/top1": point.top1, "val/top5": point.top5}, step=step)
             if stats.best_top1 is None or point.top1 > stats.best_top1:  # every rank decides alike
                 stats.best_top1 = point.top1
                 weights = trainer.full_state_dict()
@@ -216,7 +218,8 @@ def train_pipeline(config: RunConfig, datamodule: ImageDataModule, device_type: 
         weights = trainer.full_state_dict()
         if rank == 0:
             save_weights(final_path, StateDict(weights), config, stats.epochs)
-    tensorboard.finalize("success")
+    for logger in loggers:
+        logger.finalize("success")
     mine = dict(memory=peak_memory(rank, device), samples=sampler.stop(), param_bytes=trainer.parameter_bytes(),
                 stage=trainer.stage.describe())
     ranks: Optional[list] = [None] * trainer.num_stages if rank == 0 else None

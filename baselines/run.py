@@ -267,8 +267,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
             config, datamodule, device, devices, args.num_nodes, schedule=args.schedule,
             microbatches=args.microbatches, accumulate=args.accumulate, precision=precision, epochs=args.epochs,
             max_steps=args.max_steps, validate=args.val_limit != 0, pretrained_weights=args.pretrained_weights,
-            best_path=best_path, final_path=final_path, tensorboard=TensorBoardLogger(
-                out_dir / "tensorboard", name=experiment, version=name, default_hp_metric=False),
+            best_path=best_path, final_path=final_path, loggers=loggers,
             nvidia_smi_path=out_dir / "monitor" / f"{name}-node{os.environ.get('NODE_RANK', '0')}-nvidia-smi.csv",
         )
     else:

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_baselines import env, free_port, records_in
+from test_wandb import read_wandb_run
 
 from baselines.pipeline import PipelineTrainer
 from hivetrain.config import get_preset
@@ -85,11 +86,17 @@ def test_command_writes_a_record_with_memory_per_stage(tmp_path):
     # 40 validation samples in batches of 32: the second batch is padded for the schedule and the padding left out.
     args = [sys.executable, "baselines/run.py", "--strategy", "pipeline", "--devices", "2", "--preset", "demo",
             "--threads", "1", "--max-steps", "2", "--val-limit", "40", "--progress-bar", "off",
-            "--out-dir", str(tmp_path)]
-    result = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+            "--out-dir", str(tmp_path), "--wandb-project", "test"]
+    result = subprocess.run(args, cwd=ROOT, env=env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     (path,) = records_in(tmp_path)
     record = read_record(path)
+    # W&B gets what TensorBoard gets, as from the other baselines: each step's loss and each validation
+    [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
+    _, history, summary = read_wandb_run(run_dir)
+    assert [row["trainer/global_step"] for row in history if "train/loss" in row] == [1, 2]
+    assert [row["val/top1"] for row in history if "val/top1" in row] == [point.top1 for point in record.validation]
+    assert summary["best/top1"] == record.best_top1
     assert (record.strategy, record.world_size, record.global_batch_size) == ("pipeline", 2, DEMO.batch_size)
     assert record.steps == 2 and record.train_samples == 2 * DEMO.batch_size
     assert [m.rank for m in record.memory] == [0, 1] and all(m.peak_rss_bytes > 100 * 2**20 for m in record.memory)
