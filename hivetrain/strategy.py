@@ -235,7 +235,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if use_fp16:
             # Plain torch scaling breaks with hivemind's accumulation; hivemind's scaler unscales once per swarm step.
             self.options = dataclasses.replace(self.options, reuse_grad_buffers=True)
-            self.precision_plugin.scaler = hivemind.GradScaler()
+            self.precision_plugin.scaler = hivemind.GradScaler(device=self.precision_plugin.device)
         self.optimizer = wrap_optimizer(self.options, self.dht, self.optimizers[0], schedulers[0] if schedulers else None)
         self._withdrawn = False
         # The scheduler now steps inside hivemind, once per swarm epoch: Lightning must not step it per batch.

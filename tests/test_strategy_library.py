@@ -94,12 +94,12 @@ class _WhileTraining(pl.Callback):
         self.swarm_epoch = getattr(trainer.strategy, "local_epoch", None)  # before teardown ends the swarm
 
 
-def _fit(module: pl.LightningModule, strategy, steps: int, **trainer_options) -> _WhileTraining:
+def _fit(module: pl.LightningModule, strategy, steps: int, callbacks=(), **trainer_options) -> _WhileTraining:
     seen = _WhileTraining()
     # no accelerator flag: Lightning refuses one beside a strategy instance that has its accelerator from a fit before
     trainer = pl.Trainer(strategy=strategy, max_steps=steps, max_epochs=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[seen], **trainer_options)
+                         enable_model_summary=False, callbacks=[seen, *callbacks], **trainer_options)
     trainer.fit(module, _regression_data(batch_size=16))
     seen.trainer = trainer
     return seen
@@ -360,12 +360,13 @@ class _RecordingRegression(_Regression):
         return loss
 
 
-def _mixed_precision_fit(precision: str) -> tuple[_RecordingRegression, _WhileTraining, list[torch.Tensor]]:
+def _mixed_precision_fit(precision: str, name: str = "") -> tuple[_RecordingRegression, _WhileTraining, list]:
+    """Six steps of a fresh _RecordingRegression alone in a swarm, in Trainer's `precision`."""
     torch.set_num_threads(1)
     module = _RecordingRegression()
     before = [param.detach().clone() for param in module.parameters()]
     strategy = HivemindStrategy(
-        HivemindOptions(run_id=f"test_precision_{precision}", target_batch_size=32, batch_size=16,
+        HivemindOptions(run_id=f"test_precision_{name or precision}", target_batch_size=32, batch_size=16,
                         matchmaking_time=0.5),
         network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
     )
@@ -387,14 +388,49 @@ def test_a_generic_module_trains_in_bf16_mixed():
 
 
 def test_16_mixed_on_cpu_is_refused_by_lightning_for_bf16_mixed():
-    """Lightning has no fp16 AMP on CPU: it says so and trains in bf16-mixed, without hivemind's fp16 gradient
-    scaler. (On CUDA the strategy gives 16-mixed hivemind's scaler; that needs a GPU and is not tested here.)"""
+    """Lightning has no fp16 AMP on CPU for Trainer(precision="16-mixed"): it says so and trains in bf16-mixed, without
+    hivemind's fp16 gradient scaler. (Its plugin still runs fp16 on CPU: the test below takes the scaler's path.)"""
     with pytest.warns(UserWarning, match=re.escape("AMP with fp16 is not supported on CPU. Using "
                                                    "`precision='bf16-mixed'` instead.")):
         module, seen, before = _mixed_precision_fit("16-mixed")
     assert seen.trainer.precision == "bf16-mixed"
     assert getattr(seen.trainer.precision_plugin, "scaler", None) is None
     _assert_trained_in_bfloat16(module, seen, before)
+
+
+class _ScalerInUse(pl.Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.scaler = trainer.precision_plugin.scaler
+        self.scale = self.scaler.get_scale()
+
+
+def test_16_mixed_steps_with_unscaled_gradients_through_hiveminds_scaler():
+    """fp16 with hivemind's gradient scaler, the path of volunteers' GPUs without bf16 (Colab's T4). Lightning has no
+    fp16 AMP on CPU, but its plugin for the CPU runs it: autocast in fp16, the loss scaled before backward, and the
+    swarm's step on unscaled gradients."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    torch.manual_seed(0)  # the same start and batches every run: how many first steps overflow depends on them
+    fp32, _, before = _mixed_precision_fit("32-true", name="fp32-reference")
+    scaler = _ScalerInUse()
+    module = _RecordingRegression()
+    module.layer.weight.data.copy_(before[0])  # where the fp32 run started
+    module.layer.bias.data.copy_(before[1])
+    strategy = HivemindStrategy(
+        HivemindOptions(run_id="test_precision_16_mixed", target_batch_size=32, batch_size=16, matchmaking_time=0.5),
+        network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+    )
+    seen = _fit(module, strategy, steps=6, plugins=[MixedPrecision("16-mixed", "cpu")], callbacks=[scaler])
+    assert module.output_dtypes == {torch.float16}  # autocast ran the layer in fp16
+    assert type(scaler.scaler).__module__.startswith("hivemind") and scaler.scaler.is_enabled()
+    assert scaler.scale > 1  # the loss was scaled before backward
+    # AMP skips the first steps, whose scaled gradients overflow fp16, and halves the scale each time (hivemind counts
+    # none of their samples): fewer swarm steps than fp32's 3, each on unscaled gradients. Scaled ones (by 8192 at
+    # least) would move the weights thousands of times as far as fp32's steps, or to inf.
+    assert 1 <= seen.swarm_epoch < 3
+    for fp16, reference, start in zip(module.parameters(), fp32.parameters(), before):
+        assert torch.isfinite(fp16).all() and not torch.equal(fp16, start)
+        assert (fp16 - start).norm() < (reference - start).norm()
 
 
 class _ScheduledRegression(_Regression):
