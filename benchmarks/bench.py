@@ -138,10 +138,29 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
                 raise RuntimeError(f"a peer of {name} was still running after {timeout:.0f} s; see {peer.log}")
             if peer.popen.returncode != 0:
                 raise RuntimeError(f"a peer of {name} failed (exit code {peer.popen.returncode}); see {peer.log}")
+        # the figures read from the coordinator's store afterwards must be the peers' last: their goodbyes
+        wait_until_marked_left(work / name / "metrics.sqlite", [peer.log.stem for peer in roles[1:]], timeout=30)
         return coordinator, roles[1:]
     finally:
         for role in reversed(roles):
             role.stop()
+
+
+def wait_until_marked_left(store: Path, names: list[str], timeout: float) -> None:
+    """Wait until the coordinator's store has marked the peers called `names` left: it has read their goodbye
+    records, which carry their last figures (a peer that has exited may be gone before the coordinator's next look)."""
+    from hivetrain.metrics_store import MetricsReader
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with MetricsReader(store) as reader:
+            missing = set(names) - {peer.name for peer in reader.peers() if peer.left_at is not None}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the coordinator did not mark {', '.join(sorted(missing))} left within {timeout:.0f} s"
+                               f" of their exit; see {store}")
+        time.sleep(0.5)
 
 
 THROUGHPUT_PRESET = "digits-vit-tiny"  # ViT-Tiny at 32 px: as much compute per sample as plain hivemind was measured on
