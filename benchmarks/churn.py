@@ -225,10 +225,10 @@ def _cpu_paragraph(result: dict) -> str:
     """Where the machine's CPU went during churn: the roles share its cores, so what joiners and leavers use is
     taken from the peers that train."""
     events = result["events"]
-    joins = sum(e["join_cpu_s"] for e in events if e.get("join_cpu_s") is not None)
-    exits = sum(e["exit_cpu_s"] for e in events if e.get("exit_cpu_s") is not None)
+    joins = sum(e["join_cpu_s"] for e in events if e["join_cpu_s"] is not None)
+    exits = sum(e["exit_cpu_s"] for e in events)
     window = result["cpu_cores"] * result["churn_s"]
-    started = [e for e in events if e.get("join_cpu_s") is not None and e.get("join_first_step_s")]
+    started = [e for e in events if e["join_cpu_s"] is not None and e["join_first_step_s"]]
     share = statistics.median(e["join_cpu_s"] / e["join_first_step_s"] for e in started) if started else float("nan")
     return (f"CPU: the machine's {result['cpu_cores']} cores were busy {result['steady_busy_cores']:.2f} cores on"
             f" average undisturbed and {result['churn_busy_cores']:.2f} under churn. The joiners' start-ups took"
@@ -245,14 +245,11 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
         return "–" if value is None else f"{value:.1f}"
 
     events = result["events"]
-    cpu = "churn_busy_cores" in result  # records from before the CPU figures have none of them
     rows = "".join(
         f"| {e['at_s']:.0f} | {e['kind']} | {e['peer']} | {seconds(e['stopped_counting_s'])} |"
-        f" {seconds(e['coordinator_marked_left_s'])} |"
-        + (f" {seconds(e['exit_s'])} | {seconds(e['exit_cpu_s'])} |" if cpu else "")
-        + f" {e['unapplied_samples']} | {e['joiner']} | {seconds(e['join_state_loaded_s'])} |"
-        f" {seconds(e['join_first_step_s'])} |" + (f" {seconds(e['join_cpu_s'])} |" if cpu else "") + "\n"
-        for e in events)
+        f" {seconds(e['coordinator_marked_left_s'])} | {seconds(e['exit_s'])} | {seconds(e['exit_cpu_s'])} |"
+        f" {e['unapplied_samples']} | {e['joiner']} | {seconds(e['join_state_loaded_s'])} |"
+        f" {seconds(e['join_first_step_s'])} | {seconds(e['join_cpu_s'])} |\n" for e in events)
     ratio = result["churn_samples_per_s"] / result["steady_samples_per_s"]
     clean = [e["stopped_counting_s"] for e in events if e["kind"] == "leave"]
     killed = [e["stopped_counting_s"] for e in events if e["kind"] == "kill"]
@@ -271,22 +268,19 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
         " once in its place. Samples/s: samples the peers trained up to their last completed round in each window,"
         " per second (peers' epoch events). Stops counting: seconds from the signal until hivemind's progress"
         " records, polled every 0.25 s by a DHT reader, no longer count the peer; marked left: until the coordinator's"
-        " store does (a look every second)."
-        + (" Exited: until the departed peer's command returned, and the CPU seconds its processes used from the"
-           " signal on." if cpu else "")
-        + " Unapplied: samples the departed peer trained after its last round. Join: seconds from the new peer's"
-        " process start (about 5 s of it imports)"
-        + (", and the CPU seconds its processes used until its first step" if cpu else "") + ".\n\n"
+        " store does (a look every second). Exited: until the departed peer's command returned, and the CPU seconds"
+        " its processes used from the signal on. Unapplied: samples the departed peer trained after its last round."
+        " Join: seconds from the new peer's process start (about 5 s of it imports), and the CPU seconds its"
+        " processes used until its first step.\n\n"
         f"| | samples/s | rounds averaged | alone | failed |\n|---|---:|---:|---:|---:|\n"
         f"| undisturbed | {result['steady_samples_per_s']:.1f} | {steady['averaged']} | {steady['alone']} |"
         f" {steady['failed']} |\n"
         f"| churn | {result['churn_samples_per_s']:.1f} ({ratio:.0%}) | {churn['averaged']} | {churn['alone']} |"
         f" {churn['failed']} |\n\n"
-        "| at (s) | event | peer | stops counting (s) | marked left (s) |"
-        + (" exited (s) | exit CPU (s) |" if cpu else "") + " unapplied samples | joiner | state loaded (s) |"
-        " first step (s) |" + (" CPU to first step (s) |" if cpu else "") + "\n"
-        "|---:|---|---|---:|---:|" + ("---:|---:|" if cpu else "") + "---:|---|---:|---:|" + ("---:|" if cpu else "")
-        + f"\n{rows}\n{_cpu_paragraph(result) if cpu else ''}"
+        "| at (s) | event | peer | stops counting (s) | marked left (s) | exited (s) | exit CPU (s) |"
+        " unapplied samples | joiner | state loaded (s) | first step (s) | CPU to first step (s) |\n"
+        "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|\n"
+        f"{rows}\n{_cpu_paragraph(result)}"
         "Targets: a departed peer stops counting within 2 s of a clean leave "
         + _verdict(worst(clean) <= 2, f"worst {worst(clean):.1f} s") + " Within 15 s of SIGKILL "
         + _verdict(worst(killed) <= 15, f"worst {worst(killed):.1f} s") + " Throughput under churn at least 85% of"
