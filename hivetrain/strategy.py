@@ -339,8 +339,7 @@ def refuse_what_a_swarm_cannot_train(strategy: pl.strategies.Strategy, trainer: 
         raise ValueError(f"{name} needs automatic optimization: the swarm averages inside the optimizer step that"
                          " Lightning runs for you. Return the loss from training_step and leave"
                          " automatic_optimization on.")
-    if len(strategy.optimizers) != 1:
-        raise ValueError(f"{name} trains with exactly one optimizer, got {len(strategy.optimizers)}")
+    # (one optimizer: Lightning refuses several without manual optimization)
     if len(strategy.lr_scheduler_configs) > 1:
         raise ValueError(f"{name} supports at most one LR scheduler (a SequentialLR or ChainedScheduler can combine"
                          " several)")
