@@ -66,16 +66,16 @@ def attack_diloco(attack: Contribution) -> None:
     honest_outer_step = OuterState.outer_step
 
     def attacked_outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
-                            timeout: Optional[float]):
+                            timeout: Optional[float], **kwargs):
         if timeout is None or self.round < attack.from_round:  # alone: nobody to harm; or not yet
-            return honest_outer_step(self, local_parameters, weight, timeout)
+            return honest_outer_step(self, local_parameters, weight, timeout, **kwargs)
         with torch.no_grad():
             pseudo = [outer - local.detach().to("cpu", torch.float32)
                       for outer, local in zip(self.outer_parameters, local_parameters)]
             replaced = attack(pseudo)
             attacked_local = [outer - g for outer, g in zip(self.outer_parameters, replaced)]
         _say(attack, f"outer round {self.round}")
-        return honest_outer_step(self, attacked_local, weight, timeout)
+        return honest_outer_step(self, attacked_local, weight, timeout, **kwargs)
 
     OuterState.outer_step = attacked_outer_step
 

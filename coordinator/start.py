@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             " its own optimizer, then the peers average the pseudo-gradient and take one outer step")
     swarm.add_argument("--inner-steps", type=int, default=None, metavar="H",
                        help="diloco: local steps per peer between outer rounds")
+    swarm.add_argument("--overlap-rounds", action=argparse.BooleanOptionalAction, default=None,
+                       help="diloco: run each outer round in the background while the peers take the next round's"
+                            " inner steps (default: on); --no-overlap-rounds stops training for every round")
     swarm.add_argument("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate")
     swarm.add_argument("--outer-momentum", type=float, default=None,
                        help="diloco: the outer SGD's Nesterov momentum (0: plain SGD)")
@@ -171,6 +174,7 @@ def run_config(args: argparse.Namespace):
     overrides = dict(target_batch_size=args.target_batch_size, matchmaking_time=args.matchmaking_time,
                      grad_compression=args.grad_compression, state_compression=args.state_compression,
                      average_state_every=args.average_state_every, mode=args.mode, inner_steps=args.inner_steps,
+                     overlap_rounds=args.overlap_rounds,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                      robust_aggregation=args.robust_aggregation, clip_radius=args.clip_radius,
                      trim_fraction=args.trim_fraction, target_group_size=args.target_group_size)

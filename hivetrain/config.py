@@ -74,6 +74,10 @@ class SwarmConfig:
     # round, so that parameters mix across the swarm over a few rounds instead of every peer meeting every other one
     # each round. None: one group of everyone who is averaging. Applies to every averaging round of either mode.
     target_group_size: Optional[int] = None
+    # diloco: a round's matchmaking and all-reduce run in the background while each peer takes the next round's inner
+    # steps, and its result lands as a correction (hivetrain.diloco.RoundInFlight); a peer waits for a round only when
+    # it has taken H more inner steps before the round finished. False: each round stops the inner steps until done.
+    overlap_rounds: bool = True
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,8 @@ SWARM_MODES = ("sync", "diloco")
 ROBUST_AGGREGATIONS = ("none", "centered-clip", "trimmed-mean")
 # section -> setting -> the value that keeps the behaviour from before the setting existed (see RunConfig.to_dict)
 SETTINGS_ADDED_LATER: dict[str, dict[str, Any]] = {"swarm": {
-    "target_group_size": None, "robust_aggregation": "none", "clip_radius": 1.0, "trim_fraction": 0.25}}
+    "target_group_size": None, "robust_aggregation": "none", "clip_radius": 1.0, "trim_fraction": 0.25,
+    "overlap_rounds": False}}
 
 PRESETS: dict[str, RunConfig] = {
     # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.

@@ -17,9 +17,10 @@ proportion to its samples.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -123,16 +124,24 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         metadata, tensors = loaded
         return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
 
-    def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
-                   timeout: Optional[float]) -> Optional[bool]:
+    def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
+                   after_own_step: Optional[Callable[[], None]] = None) -> Optional[bool]:
         """One round: the outer step on this peer's pseudo-gradient (outer minus local parameters), then, unless
         `timeout` is None (alone), the outer parameters averaged with the group, weighted by `weight`. Returns True
-        when averaged with others, False when alone, None when averaging failed (the peer keeps its own step)."""
-        with self.round_lock:
-            return self._outer_step(local_parameters, weight, timeout)
+        when averaged with others, False when alone, None when averaging failed (the peer keeps its own step).
 
-    def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
-                    timeout: Optional[float]) -> Optional[bool]:
+        Args:
+            local_parameters: this peer's parameters after its inner steps (any device and dtype).
+            weight: the samples behind them.
+            timeout: seconds to find a group; None: no others, the step is this peer's alone.
+            after_own_step: called once the outer parameters hold this peer's own outer step, before the group
+                averages them (an overlapped round applies that step to the inner steps at once: RoundInFlight).
+        """
+        with self.round_lock:
+            return self._outer_step(local_parameters, weight, timeout, after_own_step)
+
+    def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
+                    after_own_step: Optional[Callable[[], None]]) -> Optional[bool]:
         lr, m = self.outer_lr, self.outer_momentum
         with self.get_tensors(), torch.no_grad():
             anchors, squares = [], 0.0
@@ -144,6 +153,8 @@ class OuterState(RobustAveraging, DecentralizedAverager):
                 anchors.append(anchor)
         self.last_pseudo_gradient_norm, self.last_group_size, self.last_groupmates = squares ** 0.5, 1, []
         started_round, self.round = self.round, self.round + 1
+        if after_own_step is not None:
+            after_own_step()
         averaged = False
         if timeout is not None:
             if self.aggregation is not None:
@@ -203,20 +214,93 @@ class RoundTracker(HookedProgressTracker):
         return super().before_parsing_progress(metadata)
 
 
+class RoundInFlight:
+    """An outer round that runs in a background thread while the peer goes on with its inner steps (an overlapped
+    round, as in "Eager updates for overlapped communication and computation in DiLoCo", arXiv 2502.12996).
+
+    The round averages the parameters the peer had when the round was due (a snapshot, taken between two steps), and
+    the peer's live parameters take its result as corrections, applied between two inner steps in this order:
+
+    1. eager: once this peer's own outer step is taken (outer parameters p_i, from its own pseudo-gradient and the
+       outer momentum), the live parameters move by p_i - snapshot: the next inner steps go on from this peer's own
+       outer step, the local stand-in for the swarm's, instead of from its stale inner parameters;
+    2. when the group's average p arrives: by p - p_i, which replaces this peer's own outer step with the swarm's.
+
+    After both, the live parameters are p plus the inner steps taken meanwhile: the outer state is the one a blocking
+    round reaches, no inner step taken during the communication is lost, and the next round's pseudo-gradient (outer
+    minus local parameters) carries those steps to the swarm."""
+
+    def __init__(self, outer: OuterState, parameters: Sequence[torch.Tensor], weight: float,
+                 timeout: Optional[float]):
+        self.round, self.weight = outer.round, weight
+        self.result: Optional[bool] = None  # as OuterState.outer_step's
+        self.seconds = 0.0  # the round's wall time in the background, set when it has finished
+        self.inner_steps = 0  # the peer's inner steps while the round was in flight (DiLoCoRounds counts them)
+        self.finished = threading.Event()
+        self._corrections: queue.SimpleQueue = queue.SimpleQueue()
+        # On the parameters' device, a copy taken in a moment: the thread moves it to the host while training goes on
+        snapshot = [p.detach().clone() for p in parameters]
+        self._thread = threading.Thread(target=self._run, args=(outer, snapshot, timeout), daemon=True,
+                                        name=f"outer-round-{self.round}")
+        self._thread.start()
+
+    def _run(self, outer: OuterState, snapshot: list[torch.Tensor], timeout: Optional[float]) -> None:
+        started, own = time.perf_counter(), []
+        try:
+            local = [t.to("cpu", torch.float32) for t in snapshot]
+            del snapshot
+
+            def eager() -> None:
+                with outer.get_tensors(), torch.no_grad():
+                    own.extend(p.clone() for p in outer.outer_parameters)
+                self._corrections.put([o - l for o, l in zip(own, local)])
+
+            self.result = outer.outer_step(local, self.weight, timeout, after_own_step=eager)
+            if self.result:  # averaged with others (alone or failed, the outer parameters are this peer's own step)
+                with outer.get_tensors(), torch.no_grad():
+                    self._corrections.put([p - o for p, o in zip(outer.outer_parameters, own)])
+        except Exception as e:  # the averager shut down under the round (the peer is leaving)
+            logger.debug(f"Outer round {self.round} broke off: {type(e).__name__}: {e}")
+            self.result = None
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.finished.set()
+
+    def apply_corrections(self, parameters: Sequence[torch.Tensor]) -> bool:
+        """Add the corrections that have arrived to the live parameters; True when there were any."""
+        applied = False
+        while True:
+            try:
+                deltas = self._corrections.get_nowait()
+            except queue.Empty:
+                return applied
+            with torch.no_grad():
+                for parameter, delta in zip(parameters, deltas):
+                    parameter.add_(delta.to(parameter.device, parameter.dtype))
+            applied = True
+
+
 class DiLoCoRounds:
     """A peer's side of DiLoCo: counts its inner steps' samples, and when a round is due, runs it and puts the new
     outer parameters into the model.
 
-    `swarm_seconds` adds up the wall time spent in rounds and state downloads (time outside compute); `missed_rounds`
-    counts the rounds this peer did not average with the swarm (it missed one, or its all-reduce failed)."""
+    Blocking rounds (`overlap=False`) stop the inner steps until the round has averaged. Overlapped rounds run in the
+    background (RoundInFlight) while the peer takes the next round's inner steps; the peer waits for one only when it
+    has taken H inner steps since it began and the round has not finished yet (`wait_seconds`).
+
+    `swarm_seconds` adds up the wall time the inner steps stood still for the swarm: blocking rounds, state downloads,
+    and for overlapped rounds their start, corrections and waits; `communication_seconds` the wall time of overlapped
+    rounds in the background; `missed_rounds` counts the rounds this peer did not average with the swarm (it missed
+    one, or its all-reduce failed)."""
 
     def __init__(self, dht: DHT, run_id: str, parameters: Sequence[torch.nn.Parameter], inner_steps: int,
                  batch_size: int, outer_lr: float, outer_momentum: float, matchmaking_time: float,
                  averaging_timeout: float, next_chunk_timeout: float, compression: CompressionBase = NoCompression(),
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
                  private_key: Optional[RSAPrivateKey] = None, aggregation: Optional[RobustAggregation] = None,
-                 target_group_size: Optional[int] = None):
+                 target_group_size: Optional[int] = None, overlap: bool = False):
         self.parameters = list(parameters)
+        self.inner_steps, self.overlap = inner_steps, overlap
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.withdrawn = False  # this peer's records are withdrawn: it is leaving
         self.outer = OuterState(
@@ -233,14 +317,17 @@ class DiLoCoRounds:
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
                                             metadata_expiration=RECORD_LIFETIME, private_key=private_key, start=True)
-        self.samples = 0  # trained since the last round
+        self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
-        self.swarm_seconds = 0.0
+        self.flight: Optional[RoundInFlight] = None  # the overlapped round in the background
+        self.swarm_seconds = self.wait_seconds = self.communication_seconds = 0.0
+        self.last_overlapped_steps: Optional[int] = None  # inner steps taken while the last overlapped round ran
         self.rounds_averaged = self.rounds_alone = self.rounds_failed = self.rounds_missed = 0
 
     @property
     def round(self) -> int:
-        return self.outer.round
+        """The round this peer is in: an overlapped round counts once it has landed."""
+        return self.flight.round if self.flight is not None else self.outer.round
 
     @property
     def num_peers(self) -> int:
@@ -250,9 +337,9 @@ class DiLoCoRounds:
     def missed_rounds(self) -> int:
         return self.rounds_missed + self.rounds_failed
 
-
     def load_state_from_peers(self) -> bool:
         """Take the swarm's newest outer state, and start the next inner steps from it."""
+        self.finish_round()
         started = time.perf_counter()
         try:
             loaded = self.outer.load_from_peers(timeout=self.load_state_timeout)
@@ -267,24 +354,42 @@ class DiLoCoRounds:
 
     def after_inner_step(self, samples: int, finite: bool = True) -> bool:
         """Count an inner step's samples and run a round when one is due; True when the parameters changed to a
-        new outer state (a round or a reload). A non-finite step counts nothing and restarts from the outer
-        parameters: its pseudo-gradient would poison every peer."""
+        new outer state (a round, a correction of an overlapped one, or a reload). A non-finite step counts nothing
+        and restarts from the outer parameters: its pseudo-gradient would poison every peer.
+
+        A step lands an overlapped round or starts one, never both: a peer told to stop at a round (--stop-at-epoch)
+        stops after the step that landed it, with no next round in flight."""
+        landed = self.flight is not None and self.flight.finished.is_set()
+        changed = self._take_corrections()
         if not finite:
             logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
+            self.finish_round()
             self.outer.copy_to(self.parameters)
             self.samples = self.inner_steps_since_round = 0
             self.tracker.report_local_progress(self.outer.round, 0)
             return True
         self.samples += samples
         self.inner_steps_since_round += 1
+        if self.flight is not None:
+            self.flight.inner_steps += 1
+            if self.inner_steps_since_round < self.inner_steps:
+                # still this round's samples to the others: they may not have started it yet
+                self.tracker.report_local_progress(self.flight.round, int(self.flight.weight) + self.samples)
+                return changed
+            landed = changed = self.finish_round()  # this peer's next round is due: the last one must land first
         self.tracker.report_local_progress(self.outer.round, self.samples)
+        if landed:
+            return changed
         if self.tracker.global_epoch > self.outer.round:
             logger.warning(f"Missed outer round {self.outer.round}: loading the swarm's state")
             self.rounds_missed += 1
             self.load_state_from_peers()
             return True
         if not self.round_due:
-            return False
+            return changed
+        if self.overlap:
+            self.start_round()
+            return changed
         self.run_round()
         return True
 
@@ -295,25 +400,77 @@ class DiLoCoRounds:
         round at its first step, before the others were due."""
         return self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
 
+    def _others_due(self) -> Optional[float]:
+        """The averaging timeout when others train in the swarm; None when this peer is alone (its step only)."""
+        return self.averaging_timeout if self.tracker.global_progress.num_peers > 1 else None
+
     def run_round(self) -> None:
-        """Take the outer step and average the outer parameters with whoever is in the round (alone: this peer's step
-        only), then continue from them. A round that failed with others keeps this peer's own step: its parameters
-        rejoin the others' at its next round together."""
+        """A blocking round: take the outer step and average the outer parameters with whoever is in the round
+        (alone: this peer's step only), then continue from them. A round that failed with others keeps this peer's
+        own step: its parameters rejoin the others' at its next round together."""
         if not self.samples:
             return  # nothing trained since the last round: nothing to contribute (a zero weight)
         started = time.perf_counter()
         round_ = self.outer.round
         try:
             with self.tracker.pause_updates():
-                others = self.tracker.global_progress.num_peers > 1
-                result = self.outer.outer_step(self.parameters, weight=float(self.samples),
-                                               timeout=self.averaging_timeout if others else None)
+                result = self.outer.outer_step(self.parameters, weight=float(self.samples), timeout=self._others_due())
                 self.outer.copy_to(self.parameters)
                 self.samples = self.inner_steps_since_round = 0
                 self.tracker.update_epoch(self.outer.round)
             self.outer.state_sharing_priority = self.outer.round  # joiners ask the peers with the newest round first
         finally:
             self.swarm_seconds += time.perf_counter() - started
+        self._count_round(round_, result)
+
+    def start_round(self) -> None:
+        """An overlapped round: start it in the background and go on training (RoundInFlight)."""
+        if not self.samples:
+            return
+        started = time.perf_counter()
+        self.flight = RoundInFlight(self.outer, self.parameters, float(self.samples), self._others_due())
+        self.samples = self.inner_steps_since_round = 0
+        self.swarm_seconds += time.perf_counter() - started
+
+    def finish_round(self, timeout: Optional[float] = None) -> bool:
+        """Wait (at most `timeout` seconds) for the overlapped round in flight, then land it: its corrections, the new
+        round in the progress records. True when one landed."""
+        if self.flight is None:
+            return False
+        started = time.perf_counter()
+        finished = self.flight.finished.wait(timeout)
+        waited = time.perf_counter() - started
+        self.wait_seconds += waited
+        self.swarm_seconds += waited
+        return self._land_round() if finished else False
+
+    def _take_corrections(self) -> bool:
+        """Between two inner steps: the corrections of the round in flight that have arrived, and the round itself
+        when it has finished. True when the parameters changed."""
+        if self.flight is None:
+            return False
+        if self.flight.finished.is_set():
+            return self._land_round()
+        started = time.perf_counter()
+        applied = self.flight.apply_corrections(self.parameters)
+        self.swarm_seconds += time.perf_counter() - started
+        return applied
+
+    def _land_round(self) -> bool:
+        started = time.perf_counter()
+        flight, self.flight = self.flight, None
+        flight.apply_corrections(self.parameters)
+        self.communication_seconds += flight.seconds
+        self.last_overlapped_steps = flight.inner_steps
+        with self.tracker.pause_updates():
+            self.tracker.update_epoch(self.outer.round)
+        self.tracker.report_local_progress(self.outer.round, self.samples)
+        self.outer.state_sharing_priority = self.outer.round
+        self.swarm_seconds += time.perf_counter() - started
+        self._count_round(flight.round, flight.result)
+        return True
+
+    def _count_round(self, round_: int, result: Optional[bool]) -> None:
         if result is None:
             self.rounds_failed += 1
             logger.warning(f"Outer round {round_} could not be averaged with the swarm: this peer took its own step")
@@ -334,6 +491,10 @@ class DiLoCoRounds:
         """Leave: withdraw this peer's records (if not done at the first sign of leaving), let the groupmates of its
         last round finish it, then stop."""
         self.withdraw()
+        # a round in flight has groupmates that wait for this peer's parts: let it finish, within reason
+        self.finish_round(timeout=GROUPMATES_WAIT)
+        if self.flight is None:  # the model leaves as the swarm's (--save-weights), without the steps since the round
+            self.outer.copy_to(self.parameters)
         self.wait_for_last_groupmates()
         self.outer.shutdown()
 

@@ -77,6 +77,7 @@ class HivemindOptions:
     # grad_compression, which applies to the pseudo-gradient.
     mode: str = "sync"
     inner_steps: int = 50
+    overlap_rounds: bool = False  # diloco: each round in the background while the next inner steps run
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     # How each all-reduce part combines the peers' copies (hivetrain.robust): "none" (hivemind's weighted mean),
@@ -400,7 +401,7 @@ def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[t
         next_chunk_timeout=options.next_chunk_timeout, compression=COMPRESSION[options.grad_compression](),
         state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
         aggregation=RobustAggregation.for_swarm(options),
-        target_group_size=options.target_group_size,
+        target_group_size=options.target_group_size, overlap=options.overlap_rounds,
     )
 
 

@@ -312,6 +312,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         average_state_every=swarm.average_state_every,
         mode=swarm.mode,
         inner_steps=swarm.inner_steps,
+        overlap_rounds=swarm.overlap_rounds,
         outer_lr=swarm.outer_lr,
         outer_momentum=swarm.outer_momentum,
         robust_aggregation=swarm.robust_aggregation,
@@ -365,7 +366,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
           f" contributed {progress.samples} samples{swarm_share}.", flush=True)
     events("left", epoch=progress.epoch, samples=progress.samples, train_seconds=progress.train_seconds,
            swarm_seconds=progress.swarm_seconds, missed_rounds=progress.missed_rounds,
-           states_served=progress.states_served)
+           states_served=progress.states_served, wait_seconds=progress.wait_seconds,
+           communication_seconds=progress.communication_seconds)
     if args.save_weights:
         save_weights(Path(args.save_weights), module.model, config, progress.epoch)
         print(f"Saved the weights to {args.save_weights}", flush=True)

@@ -39,6 +39,8 @@ class SwarmProgress(pl.Callback):
         self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
         self.missed_rounds = 0  # swarm rounds it missed or could not average
         self.states_served = 0  # diloco: state downloads it answered for joiners (and the coordinator)
+        self.wait_seconds = 0.0  # diloco, overlapped rounds: of swarm_seconds, waiting for a round still in flight
+        self.communication_seconds = 0.0  # diloco, overlapped rounds: their wall time in the background
         self.rollbacks = 0  # the coordinator's rollbacks this peer took (HivemindStrategy.rollbacks_taken)
         self._train_started: Optional[float] = None
         self._publishing = threading.Lock()  # the training thread's last record and the publishing thread's
@@ -93,6 +95,8 @@ class SwarmProgress(pl.Callback):
             self.missed_rounds = trainer.strategy.missed_rounds
             if trainer.strategy.rounds is not None:
                 self.states_served = trainer.strategy.rounds.outer.states_served
+                self.wait_seconds = trainer.strategy.rounds.wait_seconds
+                self.communication_seconds = trainer.strategy.rounds.communication_seconds
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -126,7 +130,10 @@ class SwarmProgress(pl.Callback):
         rounds, diloco = trainer.strategy.rounds, {}
         if rounds is not None:  # its last round and the state downloads it answered so far (benchmarks.scale)
             diloco = dict(group_size=rounds.outer.last_group_size, states_served=rounds.outer.states_served,
-                          round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None)
+                          round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None,
+                          # overlapped rounds: inner steps taken while the round ran, and the waits for rounds so far
+                          overlapped_steps=rounds.last_overlapped_steps, wait_seconds=rounds.wait_seconds,
+                          communication_seconds=rounds.communication_seconds)
         self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss),
                     swarm_seconds=trainer.strategy.swarm_seconds, **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"

@@ -180,3 +180,60 @@ def test_a_late_joiner_gets_the_outer_parameters_and_momentum(dhts):
         if joiner is not None:
             joiner.shutdown()
         peer.shutdown()
+
+
+def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_meanwhile(dhts):
+    """Two peers, three overlapped rounds, against the formula: a round averages the parameters each peer had when it
+    began (weighted by samples), takes DiLoCo's Nesterov outer step on the mean pseudo-gradient, and the peers' live
+    parameters end at the new outer parameters plus the inner steps they took while it was in flight."""
+    lr, momentum = 0.7, 0.9
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    rounds = [DiLoCoRounds(dht, "test_overlap", list(model.parameters()), inner_steps=4, batch_size=1,
+                           outer_lr=lr, outer_momentum=momentum, matchmaking_time=2.0, averaging_timeout=30.0,
+                           next_chunk_timeout=5.0, load_state_timeout=20.0, private_key=RSAPrivateKey(), overlap=True)
+              for dht, model in zip(dhts(2), models)]
+    generator = torch.Generator().manual_seed(0)
+
+    def step(model, scale: float) -> None:  # an "inner step": a move that does not depend on where the model is
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=scale)
+
+    outer, buffer = _flat(models[0].parameters()), torch.zeros_like(_flat(models[0].parameters()))
+    try:
+        for round_ in range(3):
+            weights = (1 + round_, 3)  # samples behind each peer's pseudo-gradient
+            for model, peer, weight in zip(models, rounds, weights):
+                step(model, 0.01)
+                peer.samples = weight
+                peer.tracker.report_local_progress(round_, weight)
+            deadline = time.monotonic() + 30
+            while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
+                assert time.monotonic() < deadline, "the peers never saw each other"
+                time.sleep(0.1)
+            began = [_flat(model.parameters()) for model in models]
+            for peer in rounds:
+                peer.start_round()
+            assert [peer.round for peer in rounds] == [round_, round_]  # in flight: not landed yet
+            meanwhile = []
+            for model in models:  # inner steps while the round is in flight
+                before = _flat(model.parameters())
+                step(model, 0.001)
+                meanwhile.append(_flat(model.parameters()) - before)
+            for peer in rounds:
+                assert peer.finish_round(timeout=60)
+            mean = sum(w * (outer - b) for w, b in zip(weights, began)) / sum(weights)
+            buffer = momentum * buffer + mean
+            outer = outer - lr * (mean + momentum * buffer)  # torch's SGD with Nesterov momentum
+            assert [peer.rounds_averaged for peer in rounds] == [round_ + 1] * 2
+            assert [peer.round for peer in rounds] == [round_ + 1] * 2
+            for model, peer, steps in zip(models, rounds, meanwhile):
+                torch.testing.assert_close(_flat(peer.outer.outer_parameters), outer, rtol=0, atol=1e-5)
+                torch.testing.assert_close(_flat(model.parameters()), outer + steps, rtol=0, atol=1e-5)
+            assert (outer - began[0]).abs().max() > 1e-3  # the rounds really moved the weights
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+    for model in models:  # a peer leaves with the swarm's outer parameters
+        torch.testing.assert_close(_flat(model.parameters()), outer, rtol=0, atol=1e-5)

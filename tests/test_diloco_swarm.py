@@ -2,6 +2,7 @@
 rounds; one peer dies mid-round, another joins late, and the coordinator validates, keeps the best checkpoint and
 resumes a run from it."""
 
+import json
 import re
 
 import pytest
@@ -16,14 +17,7 @@ from hivetrain.model import create_model, load_weights
 STOP_AT = 32  # rounds take about 2 s here: the late joiner, up within ~10 s, still trains several
 DIES_AT = 3  # the outer round in which peer d dies
 DILOCO = ("--preset", "demo", "--mode", "diloco", "--inner-steps", "8")
-ROUND_LINE = re.compile(r"Outer round (\d+): (.+)$")
-
-
-def _flat(path) -> torch.Tensor:
-    config = get_preset("demo")
-    model = create_model(config.model, seed=config.seed)
-    load_weights(path, model)
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+ROUND_LINE = re.compile(r"Outer round (\d+):? (.+)$")  # "N: averaged ...", "N: alone", "N could not be averaged ..."
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +35,8 @@ def diloco_run(tmp_path_factory):
         common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
         for name in ("a", "b"):
             peers[name] = spawn(name, "peers/join.py", *common, "--name", name, "--min-peers", "3",
-                                "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"))
+                                "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"),
+                                "--events", str(tmp / f"{name}.events"))
         peers["d"] = spawn("d", "tests/dying_peer.py", str(DIES_AT), *common, "--name", "d", "--min-peers", "3")
         peers["a"].wait_for(r"^swarm epoch ([1-9]|\d\d) ", timeout=240)  # c starts now, and joins rounds later
         peers["c"] = spawn("c", "peers/join.py", *common, "--name", "c", "--stop-at-epoch", str(STOP_AT),
@@ -60,24 +55,42 @@ def test_peers_train_in_rounds_and_hold_the_same_outer_parameters(diloco_run):
     averaged = [int(m.group(1)) for line in peers["a"].lines if (m := ROUND_LINE.search(line))
                 and m.group(2) == "averaged with the swarm"]
     assert len(averaged) >= STOP_AT // 2, peers["a"].lines
-    weights = {name: _flat(tmp / f"{name}.safetensors") for name in ("a", "b", "c")}
+    weights, reached = {}, {}
     config = get_preset("demo")
+    for name in ("a", "b", "c"):
+        model = create_model(config.model, seed=config.seed)
+        reached[name] = int(load_weights(tmp / f"{name}.safetensors", model)["epoch"])
+        weights[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
     initial = torch.cat([p.detach().flatten() for p in create_model(config.model, seed=config.seed).parameters()])
     moved = (weights["a"] - initial).abs().max().item()
     assert moved > 0.05
-    # Peers whose last round was averaged in the same round hold the same outer parameters: all-reduce returns each
-    # its own value plus the delta to the average, so they agree to float rounding, not always bit for bit. (A peer
-    # that missed the last round took its own step; it would rejoin at the next one, but the run ends there.)
+    # Peers whose last round was averaged in the same all-reduce hold the same outer parameters: all-reduce returns
+    # each its own value plus the delta to the average, so they agree to float rounding, not always bit for bit. A
+    # round's number can differ between its groupmates (one that lags a round joins the others' round and takes
+    # their number, plus one), so the round an all-reduce brought them to tells its groupmates: the epoch they left
+    # at. (A peer that missed the last round took its own step; it would rejoin at the next one, but the run ends.)
     last_rounds = {name: [m.groups() for line in peers[name].lines if (m := ROUND_LINE.search(line))][-1]
                    for name in ("a", "b", "c")}
-    final = max(int(number) for number, _ in last_rounds.values())
-    together = [name for name, (number, outcome) in last_rounds.items()
-                if int(number) == final and outcome == "averaged with the swarm"]
-    assert len(together) >= 2, last_rounds
+    final = max(reached.values())
+    together = [name for name, (_, outcome) in last_rounds.items()
+                if reached[name] == final and outcome == "averaged with the swarm"]
+    assert len(together) >= 2, (last_rounds, reached)
     for name in together[1:]:
         torch.testing.assert_close(weights[name], weights[together[0]], rtol=0, atol=1e-5)
     apart = {name: (weights[name] - weights[together[0]]).abs().max().item() for name in weights}
     assert max(apart.values()) < 0.1 * moved, apart  # one lone step at most: nobody drifted away
+
+
+def test_peers_train_while_their_rounds_are_in_flight(diloco_run):
+    """Rounds overlap by default: each landed round counts the inner steps its peer took while it ran, and the peer
+    published its waits for rounds apart from the rounds' time in the background."""
+    tmp = diloco_run[0]
+    for name in ("a", "b"):
+        events = [json.loads(line) for line in (tmp / f"{name}.events").read_text().splitlines()]
+        overlapped = [e["overlapped_steps"] for e in events if e["event"] == "epoch" and e["overlapped_steps"]]
+        assert len(overlapped) >= STOP_AT // 2, events  # most rounds ran beside inner steps
+        left = next(e for e in events if e["event"] == "left")
+        assert left["communication_seconds"] > 0 and 0 <= left["wait_seconds"] <= left["swarm_seconds"]
 
 
 def test_a_peer_killed_mid_round_does_not_stop_the_others(diloco_run):
