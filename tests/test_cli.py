@@ -169,3 +169,18 @@ def _wait_until(condition, what: str, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.5)
+
+
+def test_join_batch_size_takes_auto_or_a_number(capsys):
+    from peers.join import parse_args
+
+    assert parse_args([]).batch_size is None  # the default: auto on a GPU, the run's batch on a CPU
+    assert parse_args(["--batch-size", "auto"]).batch_size == "auto"
+    assert parse_args(["--batch-size", "48"]).batch_size == 48
+    assert parse_args(["--batch-size", "auto", "--memory-budget", "12GiB"]).memory_budget == 12 * 2**30
+    for bad in (["--batch-size", "0"], ["--batch-size", "lots"], ["--memory-budget", "plenty"]):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(bad)
+        assert exited.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.startswith("python peers/join.py: error: argument --batch-size") or "--memory-budget" in error
