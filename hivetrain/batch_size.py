@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # the search's callers need no torch: RunConfig only types th
 OOM_EXIT = 3  # a trial's exit code for CUDA out of memory
 MAX_BATCH = 4096
 TOLERANCE = 1 / 8
+# A peer's default budget on a GPU, as a share of its memory: the trial does not hold what the peer's training adds
+# (hivemind's gradient buffers, DataLoader batches, the CUDA context, the allocator's fragmentation).
+GPU_SHARE = 0.9
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2, "g": 1024**3, "gib": 1024**3,
           "t": 1024**4, "tib": 1024**4, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -254,15 +257,15 @@ class BatchChoice:
 
 
 def choose_peer_batch(device: DeviceInfo, run_batch: int, target_batch: int, requested_batch: int | str | None,
-                      precision: str, try_batch: Callable[[int, str], Trial], budget_bytes: int | None = None,
-                      tolerance: float = TOLERANCE, log=print) -> BatchChoice:
+                      precision: str, try_batch: Callable[[int, str, int], Trial],
+                      budget_bytes: int | None = None, tolerance: float = TOLERANCE, log=print) -> BatchChoice:
     """A peer's batch and precision.
 
     Without --batch-size a GPU searches (auto; the run's batch when the search fails) and a CPU takes the run's
-    batch. auto takes the largest micro-batch that fits at `precision`, up to the run's target batch (or MAX_BATCH):
-    at or above the run's per-step batch it is the step's batch; below it, gradients accumulate over ceil(run batch /
-    found) micro-batches of ceil(run batch / accumulate) samples, so a step holds the run's batch (rounded up by less
-    than one sample per micro-batch).
+    batch. auto takes the largest micro-batch that fits at `precision`, trying the cap (the run's target batch, or
+    MAX_BATCH) first: at or above the run's per-step batch it is the step's batch; below it, gradients accumulate over
+    ceil(run batch / found) micro-batches of ceil(run batch / accumulate) samples, so a step holds the run's batch
+    (rounded up by less than one sample per micro-batch).
 
     Args:
         device: the device the peer trains on (DeviceInfo.detect, or a fake one in tests).
@@ -270,8 +273,9 @@ def choose_peer_batch(device: DeviceInfo, run_batch: int, target_batch: int, req
         target_batch: the swarm's target batch: no peer's step should be larger.
         requested_batch: --batch-size as typed: None, "auto" or a number.
         precision: --precision or the run's, "auto" included: choose_precision resolves it for `device`.
-        try_batch: runs one trial at (batch, precision); run_trial's results, or a fake memory model.
-        budget_bytes: the memory a batch may use (--memory-budget); None: the whole GPU. Required for auto on a CPU.
+        try_batch: runs one trial at (batch, precision, budget in bytes): run_trial, or a fake memory model.
+        budget_bytes: the memory a batch may use (--memory-budget); None: GPU_SHARE of the GPU's memory (required for
+            auto on a CPU).
         tolerance, log: as for search_largest.
     """
     from hivetrain.model import choose_precision
@@ -283,11 +287,17 @@ def choose_peer_batch(device: DeviceInfo, run_batch: int, target_batch: int, req
         return BatchChoice(int(requested_batch), 1, precision, f"--batch-size {requested_batch}")
     if device.kind == "cpu" and budget_bytes is None:
         raise BatchSearchError("--batch-size auto on a CPU needs --memory-budget (the peak RSS the peer may reach)")
+    room = format_bytes(budget_bytes) if budget_bytes is not None else (
+        f"{format_bytes(GPU_SHARE * device.total_memory)} ({GPU_SHARE:.0%} of {format_bytes(device.total_memory)})")
+    if budget_bytes is None:
+        budget_bytes = int(GPU_SHARE * device.total_memory)
     cap = max(1, min(MAX_BATCH, target_batch))
     log(f"Finding the largest batch that fits on {device.name} at {precision} (at most {cap}; one line per trial)")
     try:
-        search = search_largest(lambda size: try_batch(size, precision), budget_bytes, start=min(run_batch, cap),
-                                cap=cap, tolerance=tolerance, log=log)
+        # The cap first: on a large card one trial settles it, and a batch that does not fit fails fast (CUDA out of
+        # memory, or the CPU trial stopped at the budget); the bisection below it takes log2 steps as doubling would.
+        search = search_largest(lambda size: try_batch(size, precision, budget_bytes), budget_bytes, start=cap, cap=cap,
+                                tolerance=tolerance, log=log)
     except BatchSearchError as e:
         if requested_batch == "auto":  # asked for: the peer cannot do what it was told
             raise
@@ -295,7 +305,6 @@ def choose_peer_batch(device: DeviceInfo, run_batch: int, target_batch: int, req
         log(f"warning: the batch search failed, training at the run's batch: {e}")
         return BatchChoice(run_batch, 1, precision, "the run's: the search failed")
     found = search.batch_size
-    room = format_bytes(budget_bytes if budget_bytes is not None else device.total_memory)
     where = f"in {room} at {precision} on {device.name}"
     if found == cap:
         limit = "the swarm's target batch" if cap == target_batch else f"the search's cap of {MAX_BATCH}"

@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="samples per local step, or auto: the largest that fits on this GPU, accumulated to the"
                             " run's batch when smaller (default: auto on a GPU, the run's batch on a CPU)")
     train.add_argument("--memory-budget", default=None, metavar="SIZE",
-                       help="with --batch-size auto: memory a batch may use, e.g. 12GiB (default: the whole GPU; on a"
-                            " CPU required: the peak RSS of training, the dataset aside)")
+                       help="with --batch-size auto: memory a batch may use, e.g. 12GiB (default: 90%% of the GPU's;"
+                            " on a CPU required: the peak RSS of training, the dataset aside)")
     train.add_argument("--precision", choices=("auto", "32", "bf16-mixed", "16-mixed"), default=None,
                        help="default: the run's; auto picks bf16/fp16 mixed precision on GPUs and 32 on CPUs")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -414,10 +414,10 @@ def _choose_batch(args: argparse.Namespace, config, device: str):
     """This peer's BatchChoice: --batch-size auto (the default on a GPU) runs trials of the run's model here."""
     from hivetrain.batch_size import DeviceInfo, TrialSpec, choose_peer_batch, run_trial
 
-    def trial(size: int, precision: str):
+    def trial(size: int, precision: str, budget: int):
         # The dataset stays in host memory: a GPU's trial need not load it (and a CPU's budget leaves it aside).
         spec = TrialSpec(config, device, precision, args.threads, args.data_dir, load_dataset=False)
-        return run_trial(spec, size, args.memory_budget)
+        return run_trial(spec, size, budget)
 
     return choose_peer_batch(DeviceInfo.detect(device), config.batch_size, config.swarm.target_batch_size,
                              args.batch_size, args.precision or config.precision, trial, args.memory_budget,
