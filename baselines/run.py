@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     if args.memory_budget is not None:
-        from baselines.batch_finder import parse_bytes
+        from hivetrain.batch_size import parse_bytes
 
         try:
             args.memory_budget = parse_bytes(args.memory_budget)
@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = _command_line(argv)
-    from baselines.batch_finder import BatchSearchError
+    from hivetrain.batch_size import BatchSearchError
     from hivetrain.data import DatasetUnavailable
     from hivetrain.model import PretrainedWeightsUnavailable
 
@@ -340,7 +340,7 @@ def _resolve_batch_size(args: argparse.Namespace, config, device: str, precision
     """The per-device batch, and the search that found it (None unless --batch-size auto)."""
     if args.batch_size != "auto":
         return int(args.batch_size or config.batch_size), None
-    from baselines.batch_finder import MAX_BATCH, TrialSpec, find_batch_size
+    from hivetrain.batch_size import MAX_BATCH, TrialSpec, find_batch_size
 
     if FOUND_BATCH_ENV in os.environ:  # a process Lightning started: its node's first process already searched
         return int(os.environ[FOUND_BATCH_ENV]), None  # (such a process never writes the record)
@@ -348,7 +348,7 @@ def _resolve_batch_size(args: argparse.Namespace, config, device: str, precision
         raise ValueError("--batch-size auto searches before Lightning starts a node's processes; under torchrun or"
                          " SLURM run `python -m baselines.batch_finder --preset ...` once and pass --batch-size N")
     budget = args.memory_budget if args.memory_budget is not None or device == "cuda" else 4 * 1024**3
-    spec = TrialSpec(args.preset, device, precision, args.threads, args.data_dir)
+    spec = TrialSpec(config, device, precision, args.threads, args.data_dir)
     start = min(config.batch_size, per_rank, MAX_BATCH)
     result = find_batch_size(spec, budget, start=start, cap=min(MAX_BATCH, per_rank), log=_say)
     os.environ[FOUND_BATCH_ENV] = str(result.batch_size)

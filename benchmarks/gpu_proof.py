@@ -329,10 +329,11 @@ def ensure_hivemind(wheelhouse: Path, site: Path, say=print) -> Optional[str]:
 
 def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts: Path, clock: Clock) -> dict:
     """The batch finder's search on the GPU for `precision`, on generated data (no dataset loaded)."""
-    from baselines.batch_finder import BatchSearchError, TrialSpec, find_batch_size
+    from hivetrain.batch_size import BatchSearchError, TrialSpec, find_batch_size
+    from hivetrain.config import get_preset
     from benchmarks.gpu_monitor import RunMonitor
 
-    spec = TrialSpec(PRESET, "cuda", precision, load_dataset=False)
+    spec = TrialSpec(get_preset(PRESET), "cuda", precision, load_dataset=False)
     cap = min(args.search_cap, args.train_samples)
     clock.say(f"batch search, {precision}: from {min(start, cap)}, at most {cap}")
     with RunMonitor(artifacts, f"search-{precision}", clock.zero) as monitor:

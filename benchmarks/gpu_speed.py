@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional
 
-OOM_EXIT = 3  # as baselines.batch_finder: this batch does not fit
+OOM_EXIT = 3  # as hivetrain.batch_size: this batch does not fit
 PRESET = "cifar10-vit-b32"  # the mission's model config (ViT-B/32, 224 px, 10 classes) and optimizer
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 

@@ -92,14 +92,27 @@ def choose_device(requested: str) -> str:
     return requested
 
 
-def choose_precision(requested: str, device: str, fp16: bool = True) -> str:
-    """A config.PRECISIONS value: "auto" takes bf16-mixed on a GPU that has it, else 16-mixed on a GPU (unless
-    fp16=False: a strategy without loss scaling), else 32."""
+def choose_precision(requested: str, device: str, fp16: bool = True, bf16: bool | None = None) -> str:
+    """A config.PRECISIONS value: "auto" takes bf16-mixed on a GPU that computes in bf16 natively, else 16-mixed on a
+    GPU (unless fp16=False: a strategy without loss scaling), else 32.
+
+    Args:
+        requested: --precision or the run's; anything but "auto" is kept.
+        device: "cuda" or "cpu".
+        fp16: whether the caller can train in fp16 (it needs a loss scaler).
+        bf16: whether the GPU computes in bf16 natively; None asks the current CUDA device (cuda_has_native_bf16).
+    """
     if requested != "auto":
         return requested
-    if device == "cuda" and torch.cuda.is_bf16_supported():
+    if device == "cuda" and (bf16 if bf16 is not None else cuda_has_native_bf16()):
         return "bf16-mixed"
     return "16-mixed" if device == "cuda" and fp16 else "32"
+
+
+def cuda_has_native_bf16() -> bool:
+    """Compute capability 8.0 or more (A100, H100, RTX 30xx and later). Older cards (V100 7.0, T4 7.5, P100 6.0) only
+    emulate bf16, slowly, though torch.cuda.is_bf16_supported() says yes on them: fp16 with a scaler is their best."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -59,7 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="seconds to wait for the run's configuration (default: %(default)s)")
     train = parser.add_argument_group("training")
     train.add_argument("--name", default=None, help="your display name in the swarm (default: the host name)")
-    train.add_argument("--batch-size", type=int, help="samples per local step (default: the run's)")
+    train.add_argument("--batch-size", type=_batch_size,
+                       help="samples per local step, or auto: the largest that fits on this GPU, accumulated to the"
+                            " run's batch when smaller (default: auto on a GPU, the run's batch on a CPU)")
+    train.add_argument("--memory-budget", default=None, metavar="SIZE",
+                       help="with --batch-size auto: memory a batch may use, e.g. 12GiB (default: 90%% of the GPU's;"
+                            " on a CPU required: the peak RSS of training, the dataset aside)")
     train.add_argument("--precision", choices=("auto", "32", "bf16-mixed", "16-mixed"), default=None,
                        help="default: the run's; auto picks bf16/fp16 mixed precision on GPUs and 32 on CPUs")
     train.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -91,13 +96,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="show hivemind's own progress messages, and the tracebacks of the swarm's ordinary events"
                           " (a round without a group, a peer that left): one line per event otherwise")
     args = parser.parse_args(argv)
-    if args.batch_size is not None and args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
+    if args.memory_budget is not None:
+        from hivetrain.batch_size import parse_bytes  # no torch: cheap to check before the slow imports
+
+        try:
+            args.memory_budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            parser.error(f"--memory-budget: {e}")
     if args.devices < 1:
         parser.error("--devices must be at least 1")
     if args.port < 0 or args.port > 65535:
         parser.error("--port must be in 0..65535")
     return args
+
+
+def _batch_size(text: str) -> int | str:
+    """--batch-size: "auto" or a number of samples, at least 1."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number of samples") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _is_local_swarm(initial_peers: list[str]) -> bool:
@@ -164,7 +187,8 @@ def _train_as_other_rank(args: argparse.Namespace, rank_setup: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     handed = json.loads(rank_setup)
-    return _train(args, None, RunConfig.from_dict(handed["config"]), client_mode=False, data_seed=handed["data_seed"])
+    return _train(args, None, RunConfig.from_dict(handed["config"]), client_mode=False, data_seed=handed["data_seed"],
+                  batch=handed["batch"])
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -246,19 +270,20 @@ def _import_training_stack() -> None:
 
 
 def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: int | None = None,
-           coordinator_key: bytes | None = None) -> int:
+           coordinator_key: bytes | None = None, batch: dict | None = None) -> int:
     """Train with the swarm. `dht` is None on the other ranks of a peer on several devices (they never touch the
     swarm); rank 0, or a peer on one device, holds it. `coordinator_key` signed the run record: the peer obeys the
-    rollback records it signs (on several devices, rank 0 watches for them and every rank takes the state)."""
+    rollback records it signs (on several devices, rank 0 watches for them and every rank takes the state). `batch`:
+    the BatchChoice rank 0 made, handed to the other ranks (None: choose it here)."""
     import logging
 
     import lightning.pytorch as pl
     import torch
 
+    from hivetrain.batch_size import BatchChoice, BatchSearchError
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.events import EventLog
-    from hivetrain.model import (PretrainedWeightsUnavailable, choose_device, choose_precision, create_model,
-                                 save_weights)
+    from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
     from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
     from peers.progress import SwarmProgress
@@ -276,16 +301,20 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         print(f"error: --devices {devices}: this machine has {torch.cuda.device_count()} CUDA device(s)",
               file=sys.stderr)
         return 2
-    precision = choose_precision(args.precision or config.precision, device)
-    batch_size = args.batch_size or config.batch_size
+    try:
+        choice = BatchChoice(**batch) if batch is not None else _choose_batch(args, config, device)
+    except BatchSearchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    precision, batch_size = choice.precision, choice.micro_batch
     if data_seed is None:
         data_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     name = args.name or os.uname().nodename
     if speaks:
         where = device if devices == 1 else f"{devices} {device} devices (DDP)"
         print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
-              f" {where}, precision {precision}, batch {batch_size}{' per device' if devices > 1 else ''},"
-              f" {'client mode' if client_mode else 'reachable'}", flush=True)
+              f" {where}, precision {precision}, {'client mode' if client_mode else 'reachable'}", flush=True)
+        print(f"Batch: {choice.describe()}{', per device' if devices > 1 else ''}", flush=True)
 
     try:
         if speaks:
@@ -327,8 +356,11 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     else:
         strategy = DiLoCoDDPStrategy(options, dht=dht, data_seed=data_seed)
         if speaks:  # the ranks Lightning launches inherit this process's environment
-            os.environ[RANK_SETUP_ENV] = json.dumps(dict(config=config.to_dict(), data_seed=data_seed))
+            batch = dict(micro_batch=batch_size, accumulate=choice.accumulate, precision=precision,
+                         reason=choice.reason)
+            os.environ[RANK_SETUP_ENV] = json.dumps(dict(config=config.to_dict(), data_seed=data_seed, batch=batch))
     events = EventLog(args.events if speaks else None)
+    events("batch_chosen", **choice.to_event())
     progress = SwarmProgress(batch_size=batch_size * devices, name=name,
                              hardware=_describe_hardware(device, devices) if speaks else "", client_mode=client_mode,
                              stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers, events=events)
@@ -338,6 +370,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         devices=devices,
         strategy=strategy,
         precision=precision,
+        accumulate_grad_batches=choice.accumulate,  # the strategy counts this many batches per optimizer step
         max_epochs=-1,
         max_steps=args.max_steps,
         max_time=dict(minutes=args.max_time) if args.max_time else None,
@@ -377,6 +410,20 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         print(f"error: {'; '.join(failed_ranks)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _choose_batch(args: argparse.Namespace, config, device: str):
+    """This peer's BatchChoice: --batch-size auto (the default on a GPU) runs trials of the run's model here."""
+    from hivetrain.batch_size import DeviceInfo, TrialSpec, choose_peer_batch, run_trial
+
+    def trial(size: int, precision: str, budget: int):
+        # The dataset stays in host memory: a GPU's trial need not load it (and a CPU's budget leaves it aside).
+        spec = TrialSpec(config, device, precision, args.threads, args.data_dir, load_dataset=False)
+        return run_trial(spec, size, budget)
+
+    return choose_peer_batch(DeviceInfo.detect(device), config.batch_size, config.swarm.target_batch_size,
+                             args.batch_size, args.precision or config.precision, trial, args.memory_budget,
+                             log=partial(print, flush=True))
 
 
 def _describe_hardware(device: str, devices: int) -> str:

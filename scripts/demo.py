@@ -28,8 +28,8 @@ from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_
 # compute per peer here against a round's fixed cost (matchmaking and the progress records), ~2 s on loopback.
 DEMO_INNER_STEPS = 16
 DDP_REFERENCE_STEPS = 100  # DDP's samples/s on the same cores at the peers' per-step batch, the swarm's reference
-OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Metrics|Joined run|Starting at|swarm epoch|validation at|"
-                       r"best checkpoint|Leaving|Saved|Left|error)")
+OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Metrics|Joined run|Batch:|Starting at|swarm epoch|"
+                       r"validation at|best checkpoint|Leaving|Saved|Left|error)")
 
 
 def _show(name: str):

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from baselines.batch_finder import TrialSpec, find_batch_size, parse_bytes, run_trial
+from hivetrain.batch_size import TrialSpec, find_batch_size, parse_bytes, run_trial
+from hivetrain.config import get_preset
 from hivetrain.records import read_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +145,7 @@ def test_two_simulated_nodes_train_and_write_one_record(tmp_path):
 
 def test_batch_finder_answer_fits_and_twice_does_not(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # for the trial processes
-    spec = TrialSpec("demo", "cpu", "32", threads=1, steps=2)
+    spec = TrialSpec(get_preset("demo"), "cpu", "32", threads=1, steps=2)
     small = run_trial(spec, 32, None)
     assert small.fits and small.peak_bytes is not None
     # The demo model needs about 0.1 MiB more per sample: this budget lands in the hundreds.

@@ -1,6 +1,7 @@
 """Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -146,10 +147,16 @@ def test_ctrl_c_leaves_the_swarm(spawn, tmp_path, mode):
     # its children would inherit that; a handler in this process becomes the default one in the child.
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
+        peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1",
+                     "--events", str(tmp_path / "events.jsonl"))
     finally:
         signal.signal(signal.SIGINT, before)
     peer.wait_for(r"^First local step done", timeout=120)
+    # On a CPU without --batch-size the peer trains at the run's batch, with no search.
+    assert "Batch: 32 per step (the run's)" in peer.lines, peer.lines[:10]
+    chosen = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
+              if e["event"] == "batch_chosen"]
+    assert [(e["batch_size"], e["micro_batch"], e["accumulate"], e["trials"]) for e in chosen] == [(32, 32, 1, None)]
     reader = record_reader(addresses)
     try:
         progress = f"{get_preset('demo').run_id}_progress"
@@ -169,3 +176,18 @@ def _wait_until(condition, what: str, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.5)
+
+
+def test_join_batch_size_takes_auto_or_a_number(capsys):
+    from peers.join import parse_args
+
+    assert parse_args([]).batch_size is None  # the default: auto on a GPU, the run's batch on a CPU
+    assert parse_args(["--batch-size", "auto"]).batch_size == "auto"
+    assert parse_args(["--batch-size", "48"]).batch_size == 48
+    assert parse_args(["--batch-size", "auto", "--memory-budget", "12GiB"]).memory_budget == 12 * 2**30
+    for bad in (["--batch-size", "0"], ["--batch-size", "lots"], ["--memory-budget", "plenty"]):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(bad)
+        assert exited.value.code == 2
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert error.startswith("python peers/join.py: error: argument --batch-size") or "--memory-budget" in error

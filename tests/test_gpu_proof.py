@@ -108,10 +108,11 @@ def test_model_input_is_resized_and_normalised_with_cifar_statistics():
 
 
 def test_batch_finder_trial_on_generated_data_needs_no_dataset(tmp_path):
-    from baselines.batch_finder import TrialSpec, run_trial
+    from hivetrain.batch_size import TrialSpec, run_trial
+    from hivetrain.config import get_preset
 
     # cifar10-vit-b32's dataset is not on this machine (and cannot be downloaded): the trial must not look for it.
-    spec = TrialSpec("cifar10-vit-b32", "cpu", "32", threads=1, data_dir=str(tmp_path / "no-data"), steps=1,
+    spec = TrialSpec(get_preset("cifar10-vit-b32"), "cpu", "32", threads=1, data_dir=str(tmp_path / "no-data"), steps=1,
                      load_dataset=False)
     trial = run_trial(spec, 2, budget_bytes=None)
     assert trial.fits and trial.peak_bytes > 0
