@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--pretrained-weights", default=None, metavar="FILE",
                        help="load the run's pretrained weights from this file instead of the Hugging Face hub")
     train.add_argument("--seed", type=int, default=None, help="data order seed (default: a fresh one per peer)")
+    train.add_argument("--compile", action="store_true",
+                       help="compile the model with torch.compile (minutes at the first step, then faster steps)")
     stop = parser.add_argument_group("when to stop (default: on Ctrl-C)")
     stop.add_argument("--max-steps", type=int, default=-1, help="local steps (default: no limit)")
     stop.add_argument("--max-time", type=float, default=None, help="minutes")
@@ -260,6 +262,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     from hivetrain.model import (PretrainedWeightsUnavailable, choose_device, choose_precision, create_model,
                                  save_weights)
     from hivetrain.module import ImageClassifier
+    from hivetrain.speedups import apply_tf32, inner_loop_speedups
     from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
     from peers.progress import SwarmProgress
 
@@ -277,6 +280,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
               file=sys.stderr)
         return 2
     precision = choose_precision(args.precision or config.precision, device)
+    speedups = inner_loop_speedups(device, precision, compile=args.compile)
+    apply_tf32(speedups)
     batch_size = args.batch_size or config.batch_size
     if data_seed is None:
         data_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -285,20 +290,22 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         where = device if devices == 1 else f"{devices} {device} devices (DDP)"
         print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
               f" {where}, precision {precision}, batch {batch_size}{' per device' if devices > 1 else ''},"
-              f" {'client mode' if client_mode else 'reachable'}", flush=True)
+              f" {'client mode' if client_mode else 'reachable'}; speedups:"
+              f" {', '.join(name for name, on in speedups.items() if on) or 'none'}", flush=True)
 
     try:
         if speaks:
             model = create_model(config.model, args.pretrained_weights, seed=config.seed)
         else:  # its weights come from rank 0 when DDP starts: no pretrained download or file read here
             model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed)
-        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=data_seed)
+        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=data_seed,
+                                     pin_memory=speedups["pinned_memory"])
         datamodule.prepare_data()
         datamodule.setup()
     except (DatasetUnavailable, PretrainedWeightsUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    module = ImageClassifier(config, model)
+    module = ImageClassifier(config, model, compile_model=args.compile)
     swarm = config.swarm
     options = HivemindOptions(
         run_id=config.run_id,
@@ -330,7 +337,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     events = EventLog(args.events if speaks else None)
     progress = SwarmProgress(batch_size=batch_size * devices, name=name,
                              hardware=_describe_hardware(device, devices) if speaks else "", client_mode=client_mode,
-                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers, events=events)
+                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers, events=events,
+                             speedups=speedups)
     show_bar = speaks and (args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty()))
     trainer = pl.Trainer(
         accelerator=device,
