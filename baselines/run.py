@@ -238,7 +238,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
            if args.strategy == "pipeline" else "per device")
     _say(f"{name}: {args.strategy} on {args.num_nodes} node(s) x {devices} {device} device(s), precision {precision},"
          f" batch {batch_size} {per} x accumulate {args.accumulate}, preset {config.preset}"
-         f" (fingerprint {config.fingerprint}), speedups: {', '.join(k for k, on in speedups.items() if on) or 'none'}")
+         f" (fingerprint {config.fingerprint}), speedups: {' '.join(k for k, on in speedups.items() if on) or 'none'}")
 
     from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 

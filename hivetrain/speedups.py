@@ -37,7 +37,8 @@ def inner_loop_speedups(device_type: str, precision: str, compile: bool = False,
     cuda = device_type == "cuda"
     if cuda and cuda_capability is None:
         cuda_capability = torch.cuda.get_device_capability()
-    tf32 = cuda and precision in FP32_PRECISIONS and cuda_capability is not None and cuda_capability >= TF32_MIN_CAPABILITY
+    tf32 = (cuda and precision in FP32_PRECISIONS and cuda_capability is not None
+            and cuda_capability >= TF32_MIN_CAPABILITY)
     return dict(tf32=tf32, fused_adamw=cuda, pinned_memory=cuda, compile=compile)
 
 

@@ -290,8 +290,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         where = device if devices == 1 else f"{devices} {device} devices (DDP)"
         print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
               f" {where}, precision {precision}, batch {batch_size}{' per device' if devices > 1 else ''},"
-              f" {'client mode' if client_mode else 'reachable'}; speedups:"
-              f" {', '.join(name for name, on in speedups.items() if on) or 'none'}", flush=True)
+              f" speedups: {' '.join(speedup for speedup, on in speedups.items() if on) or 'none'},"
+              f" {'client mode' if client_mode else 'reachable'}", flush=True)
 
     try:
         if speaks:

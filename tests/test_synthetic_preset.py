@@ -105,6 +105,7 @@ def test_given_weights_start_a_run_that_is_not_pretrained(tmp_path):
     # as for the mission's hub weights, timm keeps the body and re-initialises the classifier head (seeded)
     for (name, want), got in zip(source.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(want, got) != (name == "head.weight"), name  # (the bias starts at zeros either way)
-    assert not torch.equal(create_model(config.model, seed=0).blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
+    random_start = create_model(config.model, seed=0)
+    assert not torch.equal(random_start.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
     with pytest.raises(Exception, match="no such file"):
         create_model(config.model, tmp_path / "missing.pt")
