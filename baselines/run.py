@@ -83,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     how.add_argument("--num-workers", type=int, default=None,
                      help="DataLoader workers per process (default: 0 on CPUs, 4 on GPUs)")
     how.add_argument("--seed", type=int, default=0, help="data order seed (the initial weights come from the preset)")
+    how.add_argument("--compile", action="store_true",
+                     help="compile the model with torch.compile (strategies single and ddp)")
     how.add_argument("--no-shuffle", action="store_true",
                      help="train on the training set in its stored order (exactness tests: DDP ranks then split"
                           " exactly the samples one larger batch would hold)")
@@ -139,6 +141,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--strategy pipeline needs a --batch-size: the batch finder measures whole models")
     elif args.microbatches is not None:
         parser.error("--microbatches is for --strategy pipeline")
+    if args.compile and args.strategy not in ("single", "ddp"):
+        # dp and pipeline train in loops of their own around the plain model; FSDP2 shards the model in
+        # configure_model, after the module compiled it, an order torch.compile does not promise to follow
+        parser.error("--compile is for --strategy single or ddp")
     if args.strategy == "fsdp" and args.precision == "16-mixed":
         parser.error("--strategy fsdp supports --precision 32 or bf16-mixed (Lightning's ModelParallelStrategy has"
                      " no fp16 gradient scaling)")
@@ -191,6 +197,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from hivetrain.config import get_preset
+    from hivetrain.speedups import apply_tf32, inner_loop_speedups
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -208,6 +215,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
     world_size = devices * args.num_nodes  # processes, or GPUs under DataParallel
     replicas = 1 if args.strategy == "pipeline" else world_size  # data-parallel: a pipeline's stages are one
     precision = _choose_precision(args.precision or config.precision, device, args.strategy)
+    speedups = inner_loop_speedups(device, precision, compile=args.compile)
+    apply_tf32(speedups)
     experiment = args.experiment or config.preset
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     name = f"{experiment}-{args.strategy}-{args.num_nodes}x{devices}-{stamp}"
@@ -215,7 +224,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     record_dir = Path(args.record_dir) if args.record_dir else out_dir / "records"
 
     num_workers = args.num_workers if args.num_workers is not None else (4 if device == "cuda" else 0)
-    datamodule = _datamodule(args, config, num_workers)
+    datamodule = _datamodule(args, config, num_workers, speedups["pinned_memory"])
     datamodule.setup()  # loads (or fails on) the dataset now, and tells the batch search how many samples a rank gets
     per_rank = datamodule.num_train // replicas
     batch_size, search = _resolve_batch_size(args, config, device, precision, per_rank)
@@ -229,7 +238,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
            if args.strategy == "pipeline" else "per device")
     _say(f"{name}: {args.strategy} on {args.num_nodes} node(s) x {devices} {device} device(s), precision {precision},"
          f" batch {batch_size} {per} x accumulate {args.accumulate}, preset {config.preset}"
-         f" (fingerprint {config.fingerprint})")
+         f" (fingerprint {config.fingerprint}), speedups: {' '.join(k for k, on in speedups.items() if on) or 'none'}")
 
     from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 
@@ -307,7 +316,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
                     for t in search.trials],
         ),
         sharding=stats.sharding, pipeline=stats.pipeline, tensorboard_dir=str(tb_dir),
-        nvidia_smi_log=stats.nvidia_smi_log, cpu_count=os.cpu_count(),
+        nvidia_smi_log=stats.nvidia_smi_log, cpu_count=os.cpu_count(), speedups=speedups,
     )
     path = write_record(record, record_dir)
     if wandb_run is not None:  # the best checkpoint by reference: its URI, not its bytes
@@ -356,8 +365,9 @@ def _resolve_batch_size(args: argparse.Namespace, config, device: str, precision
     return result.batch_size, result
 
 
-def _datamodule(args: argparse.Namespace, config, num_workers: int):
-    """The swarm's data module; with --no-shuffle, one whose training loader keeps the stored order."""
+def _datamodule(args: argparse.Namespace, config, num_workers: int, pin_memory: bool):
+    """The swarm's data module; with --no-shuffle, one whose training loader keeps the stored order. `pin_memory`:
+    batches in page-locked memory (for CUDA)."""
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
     from hivetrain.data import DEFAULT_DATA_DIR, ImageDataModule
@@ -372,7 +382,8 @@ def _datamodule(args: argparse.Namespace, config, num_workers: int):
                 sampler = DistributedSampler(dataset, num_replicas=trainer.world_size, rank=trainer.global_rank,
                                              shuffle=False)
             return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, sampler=sampler, drop_last=drop_last,
-                              num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+                              num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                              pin_memory=self.pin_memory)
 
         def train_dataloader(self) -> DataLoader:
             self.setup()
@@ -385,7 +396,7 @@ def _datamodule(args: argparse.Namespace, config, num_workers: int):
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else DEFAULT_DATA_DIR
     val_limit = None if args.val_limit in (None, 0) else args.val_limit
     return (StoredOrder if args.no_shuffle else ImageDataModule)(
-        config, data_dir, config.batch_size, args.seed, num_workers, val_limit)
+        config, data_dir, config.batch_size, args.seed, num_workers, val_limit, pin_memory)
 
 
 def _train_lightning(args, config, datamodule, device, devices, precision, name, out_dir, best_path, final_path,
@@ -410,7 +421,7 @@ def _train_lightning(args, config, datamodule, device, devices, precision, name,
         # Lightning's default mesh is data-parallel across nodes x tensor-parallel within one: we want pure FSDP.
         strategy = ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     else:
-        module = ImageClassifier(config, model)
+        module = ImageClassifier(config, model, compile_model=args.compile)
         strategy = DDPStrategy() if args.strategy == "ddp" else "auto"
     recorder = RunRecorder(config, best_path if args.val_limit != 0 else None, final_path,
                            out_dir / "monitor" / f"{name}-node{os.environ.get('NODE_RANK', '0')}-nvidia-smi.csv",

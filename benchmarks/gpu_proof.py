@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_proof          # or: make gpu-proof
     python -m benchmarks.gpu_proof --train-samples 10000 --val-samples 2000 --precisions bf16-mixed --no-swarm
 
-On synthetic data shaped like CIFAR-10 (benchmarks/synthetic_data.py); the defaults aim at a few minutes per step
+On synthetic data shaped like CIFAR-10 (hivetrain/synthetic_data.py); the defaults aim at a few minutes per step
 and under 9 minutes in all on one H100:
 
 1. the largest batch per precision (32, bf16-mixed, 16-mixed), found against the GPU's real memory by the project's
@@ -162,7 +162,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     import torch
 
     from benchmarks.gpu_monitor import write_nvidia_smi_dumps
-    from benchmarks.synthetic_data import DATA_ORIGIN, IMAGE_SHAPE, NUM_CLASSES
+    from hivetrain.synthetic_data import DATA_ORIGIN, IMAGE_SHAPE, NUM_CLASSES
     from hivetrain.config import SWARM_MODES, get_preset
     from hivetrain.files import atomic_write
 

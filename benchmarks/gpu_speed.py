@@ -134,7 +134,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from benchmarks.synthetic_data import SyntheticCifar10, to_model_input
+    from hivetrain.synthetic_data import SyntheticCifar10, to_model_input
     from hivetrain.config import get_preset
     from hivetrain.model import autocast_dtype, create_model
     from hivetrain.module import make_optimizer

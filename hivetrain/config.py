@@ -24,7 +24,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str  # "digits", "fashion-mnist" or "cifar10"
+    dataset: str  # one of DATASETS: "digits", "fashion-mnist", "cifar10" or "synthetic" (CIFAR-10-shaped noise)
     augment: bool = False  # random crop + horizontal flip on the training split
 
 
@@ -168,7 +168,7 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
 
-DATASETS = ("digits", "fashion-mnist", "cifar10")
+DATASETS = ("digits", "fashion-mnist", "cifar10", "synthetic")
 PRECISIONS = ("auto", "32", "bf16-mixed", "16-mixed")
 COMPRESSIONS = ("none", "fp16", "8bit")
 SWARM_MODES = ("sync", "diloco")
@@ -236,6 +236,16 @@ PRESETS: dict[str, RunConfig] = {
         batch_size=64,
     ),
 }
+# The mission preset with nothing to download: the same model at 224 px, optimizer, schedule and swarm (diloco), on
+# seeded CIFAR-10-shaped noise (hivetrain.synthetic_data, through CIFAR-10's transforms) from random weights, or from
+# given ones with --pretrained-weights FILE. For GPU machines without network: it measures the mission's speed and
+# traffic, not its accuracy (noise teaches nothing).
+PRESETS["synthetic-vit-b32"] = PRESETS["cifar10-vit-b32"].replace(
+    run_id="hivetrain-synthetic-vit-b32",
+    preset="synthetic-vit-b32",
+    model=dataclasses.replace(PRESETS["cifar10-vit-b32"].model, pretrained=False),
+    data=dataclasses.replace(PRESETS["cifar10-vit-b32"].data, dataset="synthetic"),
+)
 DEFAULT_PRESET = "cifar10-vit-b32"
 
 

@@ -1,9 +1,11 @@
-"""Datasets for the swarm: scikit-learn's digits, Fashion-MNIST and CIFAR-10, as one LightningDataModule.
+"""Datasets for the swarm: scikit-learn's digits, Fashion-MNIST, CIFAR-10 and synthetic CIFAR-10-shaped noise, as one
+LightningDataModule.
 
 Every image comes out as a normalised float tensor (3, img_size, img_size) and every label as int64, so
 the model never cares which dataset it trains on. Everything works offline: digits ship with
 scikit-learn, Fashion-MNIST with Debian's `dataset-fashion-mnist`, and CIFAR-10 is read from any folder
-in the python-pickle layout without torchvision's md5 checks.
+in the python-pickle layout without torchvision's md5 checks; the synthetic set is generated
+(hivetrain.synthetic_data).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torchvision.datasets import CIFAR10, FashionMNIST
 
 from hivetrain.config import RunConfig
 from hivetrain.files import atomic_write
+from hivetrain.synthetic_data import TRAIN_SAMPLES, VAL_SAMPLES, SyntheticCifar10
 
 DEFAULT_DATA_DIR = Path("~/.cache/hivetrain/data").expanduser()
 DEBIAN_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
@@ -61,10 +64,25 @@ class ImageTensors(Dataset):
         return len(self.images)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.images[i]
-        if x.dtype == torch.uint8:
-            x = x.float().div_(255)
-        return self.transform(x), self.labels[i]
+        return self.transform(_unit_float(self.images[i])), self.labels[i]
+
+
+class TransformedImages(Dataset):
+    """Another dataset's (uint8 or [0, 1] image, label) pairs, transformed per sample as ImageTensors does."""
+
+    def __init__(self, images: Dataset, transform: Callable[[torch.Tensor], torch.Tensor]):
+        self.images, self.transform = images, transform
+
+    def __len__(self) -> int:
+        return len(self.images)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = self.images[i]
+        return self.transform(_unit_float(image)), label
+
+
+def _unit_float(x: torch.Tensor) -> torch.Tensor:
+    return x.float().div_(255) if x.dtype == torch.uint8 else x
 
 
 def _to_rgb(x: torch.Tensor) -> torch.Tensor:
@@ -172,10 +190,20 @@ def load_cifar_split(root: Path) -> tuple[Split, Split]:
 
 class ImageDataModule(L.LightningDataModule):
     def __init__(self, config: RunConfig, data_dir: Path, batch_size: int, seed: int, num_workers: int,
-                 val_limit: int | None):
+                 val_limit: int | None, pin_memory: bool = False):
+        """Args:
+            config: the run; its dataset, image size and augmentation shape the data.
+            data_dir: where the dataset's files are (or are downloaded to).
+            batch_size: samples per batch of both loaders.
+            seed: the training loader's shuffling seed (per peer: peers see different orders).
+            num_workers: DataLoader worker processes.
+            val_limit: validate on the first N validation samples only (None: all).
+            pin_memory: batches in page-locked memory, for asynchronous copies to a CUDA device (Lightning copies
+                with non_blocking=True to every device but the CPU).
+        """
         super().__init__()
         self.config, self.data_dir, self.batch_size = config, data_dir, batch_size
-        self.seed, self.num_workers, self.val_limit = seed, num_workers, val_limit
+        self.seed, self.num_workers, self.val_limit, self.pin_memory = seed, num_workers, val_limit, pin_memory
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.num_train = self.num_val = 0
@@ -196,17 +224,26 @@ class ImageDataModule(L.LightningDataModule):
         if self.train_set is not None:  # Lightning calls setup per stage; load once
             return
         dataset, img_size = self.config.data.dataset, self.config.model.img_size
-        if dataset == "digits":
-            (train, val), native = load_digits_split(img_size), img_size  # already resized
-        elif dataset == "fashion-mnist":
-            (train, val), native = load_fashion_split(self.data_dir), 28
+        augment = self.config.data.augment
+        if dataset == "synthetic":
+            # Generated from the run's seed, so every peer and the coordinator hold the same images, and sent through
+            # CIFAR-10's own transforms (its statistics, resize and augmentation): the mission's pipeline, no download.
+            self.train_set = TransformedImages(SyntheticCifar10(TRAIN_SAMPLES, self.config.seed, "train"),
+                                               _transform("cifar10", 32, img_size, augment))
+            val_set: Dataset = TransformedImages(SyntheticCifar10(VAL_SAMPLES, self.config.seed, "val"),
+                                                 _transform("cifar10", 32, img_size, augment=False))
         else:
-            self.prepare_data()  # no-op when the folder exists; lets callers skip the Lightning hook order
-            (train, val), native = load_cifar_split(self.data_dir), 32
-        self.train_set = ImageTensors(*train, _transform(dataset, native, img_size, self.config.data.augment))
-        val_set: Dataset = ImageTensors(*val, _transform(dataset, native, img_size, augment=False))
+            if dataset == "digits":
+                (train, val), native = load_digits_split(img_size), img_size  # already resized
+            elif dataset == "fashion-mnist":
+                (train, val), native = load_fashion_split(self.data_dir), 28
+            else:
+                self.prepare_data()  # no-op when the folder exists; lets callers skip the Lightning hook order
+                (train, val), native = load_cifar_split(self.data_dir), 32
+            self.train_set = ImageTensors(*train, _transform(dataset, native, img_size, augment))
+            val_set = ImageTensors(*val, _transform(dataset, native, img_size, augment=False))
         if self.val_limit is not None:  # the first N, so every peer evaluates on the same samples
-            val_set = Subset(val_set, range(min(self.val_limit, len(val[0]))))
+            val_set = Subset(val_set, range(min(self.val_limit, len(val_set))))  # type: ignore[arg-type]
         self.val_set = val_set
         self.num_train, self.num_val = len(self.train_set), len(val_set)
 
@@ -215,16 +252,19 @@ class ImageDataModule(L.LightningDataModule):
         return DataLoader(
             self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,  # fixed per-step batch
             generator=torch.Generator().manual_seed(self.seed),  # per-peer seed: peers see different orders
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory,
         )
 
     def val_dataloader(self) -> DataLoader:
         self.setup()
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+                          persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory)
 
 
 def make_datamodule(config: RunConfig, data_dir: str | Path | None = None, batch_size: int | None = None,
-                    seed: int = 0, num_workers: int = 0, val_limit: int | None = None) -> ImageDataModule:
+                    seed: int = 0, num_workers: int = 0, val_limit: int | None = None,
+                    pin_memory: bool = False) -> ImageDataModule:
+    """The run's data module (ImageDataModule's arguments); data_dir None: DEFAULT_DATA_DIR, batch_size None: the
+    run's."""
     root = Path(data_dir).expanduser() if data_dir is not None else DEFAULT_DATA_DIR
-    return ImageDataModule(config, root, batch_size or config.batch_size, seed, num_workers, val_limit)
+    return ImageDataModule(config, root, batch_size or config.batch_size, seed, num_workers, val_limit, pin_memory)

@@ -40,21 +40,21 @@ def _hub_is_reachable(timeout: float = 3.0) -> bool:
 def create_model(config: ModelConfig, pretrained_weights: str | Path | None = None, seed: int = 0) -> torch.nn.Module:
     """Build the model. Randomly initialised layers are seeded, so every peer starts from the same weights.
 
-    With `config.pretrained`, weights come from `pretrained_weights` (a timm state dict or safetensors file) when
-    given, else from the Hugging Face hub. The head is re-initialised for `num_classes`, and the position embedding
-    is resized to `img_size`, by timm.
+    Weights come from `pretrained_weights` (a timm state dict or safetensors file) when given, else, with
+    `config.pretrained`, from the Hugging Face hub, else they are the seeded random ones. A file also serves a run
+    that is not pretrained (synthetic-vit-b32 from the mission's weights, say): in a swarm it is the coordinator's
+    start that counts, since peers download the swarm's state. The head is re-initialised for `num_classes`, and the
+    position embedding is resized to `img_size`, by timm.
     """
     kwargs = dict(config.kwargs, img_size=config.img_size, num_classes=config.num_classes)
     torch.manual_seed(seed)
-    if not config.pretrained:
-        if pretrained_weights is not None:
-            raise ValueError(f"--pretrained-weights was given, but model {config.name} of this run is not pretrained")
-        return timm.create_model(config.name, pretrained=False, **kwargs)
     if pretrained_weights is not None:
         path = Path(pretrained_weights)
         if not path.is_file():
             raise PretrainedWeightsUnavailable(f"--pretrained-weights {path}: no such file")
         return timm.create_model(config.name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kwargs)
+    if not config.pretrained:
+        return timm.create_model(config.name, pretrained=False, **kwargs)
     hint = f"pretrained weights for {config.name} cannot be downloaded from the Hugging Face hub"
     hint += " (HF_HUB_OFFLINE is set)" if _hub_is_offline() else ""
     if _hub_is_offline() or not _hub_is_reachable():

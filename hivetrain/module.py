@@ -23,16 +23,25 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with the run's hyperparameters and its warmup + cosine schedule, for `model` where it is now: fused
+    (one CUDA kernel for all parameters, hivetrain.speedups) when its parameters are on CUDA, torch's default on CPU.
+
+    Args:
+        model: the model, already on its training device (Lightning calls configure_optimizers after moving it).
+        optim: the run's optimizer settings.
+    """
     # No weight decay on biases, norms, position embeddings and tokens (1-d or special parameters), as in timm.
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         (no_decay if param.ndim <= 1 or name.endswith(("pos_embed", "cls_token", "reg_token")) else decay).append(param)
+    on_cuda = bool(decay or no_decay) and all(p.device.type == "cuda" for p in decay + no_decay)
     optimizer = torch.optim.AdamW(
         [dict(params=decay, weight_decay=optim.weight_decay), dict(params=no_decay, weight_decay=0.0)],
         lr=optim.lr,
         betas=optim.betas,
+        fused=True if on_cuda else None,  # None: torch's choice (foreach), as before fusing existed here
     )
     schedule = partial(
         warmup_cosine, warmup_steps=optim.warmup_steps, total_steps=optim.total_steps, min_lr_ratio=optim.min_lr_ratio
@@ -41,10 +50,19 @@ def make_optimizer(model: torch.nn.Module, optim: OptimConfig) -> tuple[torch.op
 
 
 class ImageClassifier(pl.LightningModule):
-    def __init__(self, config: RunConfig, model: torch.nn.Module):
+    def __init__(self, config: RunConfig, model: torch.nn.Module, compile_model: bool = False):
+        """Args:
+            config: the run (number of classes, optimizer and schedule).
+            model: the network; the module trains it in place.
+            compile_model: compile the model's forward with torch.compile (--compile). nn.Module.compile compiles in
+                place: the parameters stay the very tensors the swarm averages, and state_dict keys stay clean (no
+                `_orig_mod.` prefix of a torch.compile wrapper in checkpoints). Compilation happens at the first step.
+        """
         super().__init__()
         self.config = config
         self.model = model
+        if compile_model:
+            model.compile()
         classes = config.model.num_classes
         # micro: the fraction of samples classified right, as hivetrain.evaluate counts it (not a mean over classes)
         self.train_top1 = MulticlassAccuracy(classes, top_k=1, average="micro")

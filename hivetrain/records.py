@@ -137,6 +137,9 @@ class RunRecord:
     tensorboard_dir: Optional[str] = None
     nvidia_smi_log: Optional[str] = None  # raw `nvidia-smi -l 1` output of rank 0's node, when the binary exists
     cpu_count: Optional[int] = None  # logical CPUs of rank 0's machine: with system_cpu_percent, the load of others
+    # inner-loop speedups that were on (hivetrain.speedups): tf32, fused_adamw, pinned_memory, compile; None in
+    # records from before they were recorded
+    speedups: Optional[dict[str, bool]] = None
     notes: str = ""
     schema: int = SCHEMA_VERSION
 

@@ -709,12 +709,20 @@ def optimizer_recipe(optimizer: torch.optim.Optimizer,
     param_groups = [dict(group) for group in optimizer.param_groups]
 
     def make_optimizer(params):
-        return optimizer_class(params)
+        return optimizer_class(_fused_on_cuda_only(params))
 
     def make_scheduler(inner: torch.optim.Optimizer) -> SwarmSchedule:
         return SwarmSchedule(scheduler, inner)
 
     return param_groups, make_optimizer, make_scheduler if scheduler is not None else None
+
+
+def _fused_on_cuda_only(param_groups: list) -> list:
+    """The groups, with `fused` (set by the module's optimizer on CUDA) back to torch's default where their parameters
+    are not on CUDA: hivemind offloads the optimizer to copies in host memory (offload_optimizer), and the CPU stays
+    on torch's default kernels there, as a CPU peer's optimizer is."""
+    return [dict(group, fused=None) if isinstance(group, dict) and group.get("fused")
+            and any(param.device.type != "cuda" for param in group["params"]) else group for group in param_groups]
 
 
 PLATEAU_REFUSED = (

@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--pretrained-weights", default=None, metavar="FILE",
                        help="load the run's pretrained weights from this file instead of the Hugging Face hub")
     train.add_argument("--seed", type=int, default=None, help="data order seed (default: a fresh one per peer)")
+    train.add_argument("--compile", action="store_true",
+                       help="compile the model with torch.compile (minutes at the first step, then faster steps)")
     stop = parser.add_argument_group("when to stop (default: on Ctrl-C)")
     stop.add_argument("--max-steps", type=int, default=-1, help="local steps (default: no limit)")
     stop.add_argument("--max-time", type=float, default=None, help="minutes")
@@ -285,6 +287,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     from hivetrain.events import EventLog
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
+    from hivetrain.speedups import apply_tf32, inner_loop_speedups
     from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
     from peers.progress import SwarmProgress
 
@@ -307,13 +310,17 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         print(f"error: {e}", file=sys.stderr)
         return 2
     precision, batch_size = choice.precision, choice.micro_batch
+    speedups = inner_loop_speedups(device, precision, compile=args.compile)
+    apply_tf32(speedups)
     if data_seed is None:
         data_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     name = args.name or os.uname().nodename
     if speaks:
         where = device if devices == 1 else f"{devices} {device} devices (DDP)"
         print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"
-              f" {where}, precision {precision}, {'client mode' if client_mode else 'reachable'}", flush=True)
+              f" {where}, precision {precision},"
+              f" speedups: {' '.join(speedup for speedup, on in speedups.items() if on) or 'none'},"
+              f" {'client mode' if client_mode else 'reachable'}", flush=True)
         print(f"Batch: {choice.describe()}{', per device' if devices > 1 else ''}", flush=True)
 
     try:
@@ -321,13 +328,14 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
             model = create_model(config.model, args.pretrained_weights, seed=config.seed)
         else:  # its weights come from rank 0 when DDP starts: no pretrained download or file read here
             model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed)
-        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=data_seed)
+        datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=data_seed,
+                                     pin_memory=speedups["pinned_memory"])
         datamodule.prepare_data()
         datamodule.setup()
     except (DatasetUnavailable, PretrainedWeightsUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    module = ImageClassifier(config, model)
+    module = ImageClassifier(config, model, compile_model=args.compile)
     swarm = config.swarm
     options = HivemindOptions(
         run_id=config.run_id,
@@ -363,7 +371,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     events("batch_chosen", **choice.to_event())
     progress = SwarmProgress(batch_size=batch_size * devices, name=name,
                              hardware=_describe_hardware(device, devices) if speaks else "", client_mode=client_mode,
-                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers, events=events)
+                             stop_at_epoch=args.stop_at_epoch, min_peers=args.min_peers, events=events,
+                             speedups=speedups)
     show_bar = speaks and (args.progress_bar == "on" or (args.progress_bar == "auto" and sys.stdout.isatty()))
     trainer = pl.Trainer(
         accelerator=device,

@@ -23,9 +23,10 @@ from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publi
 class SwarmProgress(pl.Callback):
     def __init__(self, batch_size: int, name: str, hardware: str, client_mode: bool,
                  stop_at_epoch: Optional[int] = None, min_peers: int = 1, publish_every: float = PUBLISH_EVERY,
-                 events: EventLog = EventLog(None)):
-        """`batch_size`: the samples this peer trains per local step, on all its devices together."""
-        self.batch_size, self.stop_at_epoch = batch_size, stop_at_epoch
+                 events: EventLog = EventLog(None), speedups: Optional[dict[str, bool]] = None):
+        """`batch_size`: the samples this peer trains per local step, on all its devices together. `speedups`: which
+        inner-loop speedups are on (hivetrain.speedups), told in the training_started event."""
+        self.batch_size, self.stop_at_epoch, self.speedups = batch_size, stop_at_epoch, speedups
         self.name, self.hardware, self.client_mode = name, hardware, client_mode
         self.min_peers, self.publish_every, self.events = min_peers, publish_every, events
         self.epoch = 0
@@ -56,7 +57,7 @@ class SwarmProgress(pl.Callback):
         self._swarm_seconds_before = trainer.strategy.swarm_seconds
         if trainer.is_global_zero:
             print(f"Starting at swarm epoch {self.epoch} | params {parameter_digest(pl_module)}", flush=True)
-            self.events("training_started", epoch=self.epoch)
+            self.events("training_started", epoch=self.epoch, speedups=self.speedups)
         self._published = (time.monotonic(), 0)
         self._publish(trainer)
         if trainer.is_global_zero:

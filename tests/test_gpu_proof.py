@@ -18,7 +18,7 @@ import torch
 
 from benchmarks import gpu_proof
 from benchmarks.gpu_page import render_gpu_page
-from benchmarks.synthetic_data import DATA_ORIGIN, SyntheticCifar10, to_model_input
+from hivetrain.synthetic_data import DATA_ORIGIN, SyntheticCifar10, to_model_input
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_RECORD = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"

@@ -1,10 +1,12 @@
-"""Synthetic data shaped like CIFAR-10 for the GPU proof: seeded random uint8 images (3 x 32 x 32) and labels (10
-classes), each made when it is asked for, so a 50,000-image set takes no memory.
+"""Synthetic data shaped like CIFAR-10: seeded random uint8 images (3 x 32 x 32) and labels (10 classes), each made
+when it is asked for, so a 50,000-image set takes no memory. The GPU proof trains on it, and so does the "synthetic"
+dataset of hivetrain.data (the synthetic-vit-b32 preset: the mission's shape on machines that cannot download).
 
 Sample i of a split is a function of (seed, split, i) alone: the same seed gives the same images in any order and in
 any DataLoader worker. They are noise, so a model learns nothing from them and they say nothing about accuracy; what
-they exercise is exactly the GPU work of ViT-B/32 at 224 px. Batches are resized and normalised on the device
-(`to_model_input`), as the CIFAR-10 pipeline's Resize and Normalize do per sample on the CPU.
+they exercise is exactly the GPU work of ViT-B/32 at 224 px. The GPU proof resizes and normalises whole batches on
+the device (`to_model_input`), as the CIFAR-10 pipeline's Resize and Normalize do per sample on the CPU; the
+"synthetic" dataset of hivetrain.data goes through that CIFAR-10 pipeline itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 DATA_ORIGIN = "synthetic, seeded random images shaped like CIFAR-10"  # stated on every GPU page
+TRAIN_SAMPLES, VAL_SAMPLES = 50_000, 10_000  # CIFAR-10's split sizes, for the "synthetic" dataset
 IMAGE_SHAPE = (3, 32, 32)  # CHW, as hivetrain.data holds CIFAR-10
 NUM_CLASSES = 10
 SPLITS = {"train": 0, "val": 1}  # part of each sample's seed: the two splits never share an image

@@ -1,0 +1,134 @@
+"""The inner loop's GPU speedups without a GPU: which are chosen for a device and precision, how TF32 is set, that the
+swarm's rebuilt optimizer keeps fusing to CUDA, that a compiled module keeps its parameters and clean state_dict keys,
+and that baselines/run.py --compile trains on CPU and records what was on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hivetrain.config import get_preset
+from hivetrain.model import create_model
+from hivetrain.module import ImageClassifier, make_optimizer
+from hivetrain.records import RunRecord, read_record
+from hivetrain.speedups import apply_tf32, inner_loop_speedups
+from hivetrain.strategy import _fused_on_cuda_only, optimizer_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = get_preset("demo")
+
+
+@pytest.mark.parametrize("device, precision, capability, expected", [
+    ("cuda", "32", (8, 0), dict(tf32=True, fused_adamw=True, pinned_memory=True, compile=False)),
+    ("cuda", "32", (9, 0), dict(tf32=True, fused_adamw=True, pinned_memory=True, compile=False)),
+    ("cuda", "32", (7, 5), dict(tf32=False, fused_adamw=True, pinned_memory=True, compile=False)),  # no TF32 cores
+    ("cuda", "bf16-mixed", (8, 0), dict(tf32=False, fused_adamw=True, pinned_memory=True, compile=False)),
+    ("cuda", "16-mixed", (8, 6), dict(tf32=False, fused_adamw=True, pinned_memory=True, compile=False)),
+    ("cpu", "32", None, dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=False)),
+    ("cpu", "bf16-mixed", None, dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=False)),
+])
+def test_speedups_follow_device_precision_and_card(device, precision, capability, expected):
+    assert inner_loop_speedups(device, precision, cuda_capability=capability) == expected
+    assert inner_loop_speedups(device, precision, compile=True, cuda_capability=capability) == dict(expected,
+                                                                                                     compile=True)
+
+
+@pytest.fixture
+def matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_tf32_is_set_only_when_chosen(matmul_precision):
+    torch.set_float32_matmul_precision("highest")
+    apply_tf32(inner_loop_speedups("cuda", "bf16-mixed", cuda_capability=(8, 0)))
+    assert torch.get_float32_matmul_precision() == "highest"
+    apply_tf32(inner_loop_speedups("cuda", "32", cuda_capability=(8, 0)))
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.allow_tf32
+
+
+def test_cpu_optimizer_is_unfused_and_the_swarm_recipe_unfuses_host_copies():
+    model = create_model(DEMO.model, seed=0)
+    optimizer, scheduler = make_optimizer(model, DEMO.optim)
+    assert all(not group["fused"] for group in optimizer.param_groups)  # CPU: torch's default kernels
+    # On a GPU the module's optimizer is fused; hivemind rebuilds it from the recipe on offloaded host copies
+    fused, _ = make_optimizer(model, DEMO.optim)
+    for group in fused.param_groups:
+        group["fused"] = True  # as make_optimizer sets it for parameters on CUDA
+    param_groups, make_inner, _ = optimizer_recipe(fused)
+    host_copies = [dict(group, params=[p.detach().clone() for p in group["params"]]) for group in param_groups]
+    inner = make_inner(host_copies)
+    assert [group["fused"] for group in inner.param_groups] == [None, None]
+    assert [group["weight_decay"] for group in inner.param_groups] == [DEMO.optim.weight_decay, 0.0]
+    # parameters that stay on CUDA (offload_optimizer=False) keep the fused kernel
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    assert _fused_on_cuda_only([dict(params=[on_cuda], fused=True)]) == [dict(params=[on_cuda], fused=True)]
+
+
+def test_compiled_module_keeps_its_parameters_and_clean_state_dict_keys():
+    model = create_model(DEMO.model, seed=0)
+    parameters = list(model.parameters())
+    keys = list(ImageClassifier(DEMO, create_model(DEMO.model, seed=0)).state_dict())
+    module = ImageClassifier(DEMO, model, compile_model=True)
+    assert model._compiled_call_impl is not None  # nn.Module.compile: in place, no wrapper module
+    assert list(module.model.parameters()) == parameters and all(
+        a is b for a, b in zip(module.parameters(), parameters))
+    assert list(module.state_dict()) == keys and not any("_orig_mod" in key for key in keys)
+
+
+@pytest.fixture(scope="module")
+def torch_compile_works() -> None:
+    """torch.compile on CPU needs a working C++ toolchain (inductor builds its kernels): try one small compile."""
+    try:
+        compiled = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2)
+        assert torch.allclose(compiled(torch.ones(4)), torch.nn.functional.gelu(torch.ones(4)) * 2)
+    except Exception as e:  # inductor's errors (a missing compiler, headers) have no common base class
+        pytest.skip(f"torch.compile does not work on this machine: {type(e).__name__}: {str(e)[:300]}")
+
+
+def test_baseline_with_compile_trains_and_records_the_speedups(tmp_path, torch_compile_works):
+    weights = tmp_path / "final.safetensors"
+    result = subprocess.run(
+        [sys.executable, "baselines/run.py", "--strategy", "single", "--preset", "demo", "--compile", "--threads", "2",
+         "--max-steps", "2", "--val-limit", "0", "--progress-bar", "off", "--out-dir", str(tmp_path),
+         "--save-final-weights", str(weights)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "speedups: compile" in result.stdout
+    (path,) = (tmp_path / "records").glob("*.json")
+    record = read_record(path)
+    assert record.steps == 2
+    assert record.speedups == dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=True)
+    with safe_open(str(weights), "pt") as saved:
+        assert sorted(saved.keys()) == sorted(create_model(DEMO.model).state_dict())
+
+
+def test_compile_is_refused_where_the_baseline_does_not_train_the_module(tmp_path):
+    result = subprocess.run([sys.executable, "baselines/run.py", "--strategy", "fsdp", "--devices", "2", "--compile",
+                             "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 2 and "--compile is for --strategy single or ddp" in result.stderr
+
+
+def test_peer_accepts_compile():
+    from peers.join import parse_args
+
+    assert parse_args(["--compile"]).compile and not parse_args([]).compile
+
+
+def test_records_from_before_the_speedups_still_read():
+    raw = json.loads((ROOT / "logbook" / "records" / "demo-single-1x1-20261122-021428.json").read_text())
+    assert "speedups" not in raw and RunRecord.from_dict(raw).speedups is None
+    assert RunRecord.from_dict(dict(raw, speedups=dict(tf32=True))).speedups == dict(tf32=True)
+    with pytest.raises(ValueError, match="speedups.tf32"):
+        RunRecord.from_dict(dict(raw, speedups=dict(tf32="yes")))
