@@ -1,6 +1,7 @@
 """Bad input gets a clear one-line error and a non-zero exit, never a hang; the coordinator keeps its address."""
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -146,10 +147,16 @@ def test_ctrl_c_leaves_the_swarm(spawn, tmp_path, mode):
     # its children would inherit that; a handler in this process becomes the default one in the child.
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1")
+        peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1",
+                     "--events", str(tmp_path / "peer-events.jsonl"))
     finally:
         signal.signal(signal.SIGINT, before)
     peer.wait_for(r"^First local step done", timeout=120)
+    # a CPU peer uses none of the GPU's inner-loop speedups, and says so in its join line and training_started event
+    assert any(line.startswith("Joined run") and "speedups: none, reachable" in line for line in peer.lines)
+    events = [json.loads(line) for line in (tmp_path / "peer-events.jsonl").read_text().splitlines()]
+    (started,) = [event for event in events if event["event"] == "training_started"]
+    assert started["speedups"] == dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=False)
     reader = record_reader(addresses)
     try:
         progress = f"{get_preset('demo').run_id}_progress"
