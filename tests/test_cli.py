@@ -152,11 +152,15 @@ def test_ctrl_c_leaves_the_swarm(spawn, tmp_path, mode):
     finally:
         signal.signal(signal.SIGINT, before)
     peer.wait_for(r"^First local step done", timeout=120)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     # On a CPU without --batch-size the peer trains at the run's batch, with no search.
     assert "Batch: 32 per step (the run's)" in peer.lines, peer.lines[:10]
-    chosen = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines())
-              if e["event"] == "batch_chosen"]
+    chosen = [e for e in events if e["event"] == "batch_chosen"]
     assert [(e["batch_size"], e["micro_batch"], e["accumulate"], e["trials"]) for e in chosen] == [(32, 32, 1, None)]
+    # a CPU peer uses none of the GPU's inner-loop speedups, and says so in its join line and training_started event
+    assert any(line.startswith("Joined run") and "speedups: none, reachable" in line for line in peer.lines)
+    (started,) = [event for event in events if event["event"] == "training_started"]
+    assert started["speedups"] == dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=False)
     reader = record_reader(addresses)
     try:
         progress = f"{get_preset('demo').run_id}_progress"
