@@ -134,7 +134,8 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from hivetrain.synthetic_data import SyntheticCifar10, to_model_input
+    from hivetrain.pixels import to_model_input
+    from hivetrain.synthetic_data import SyntheticCifar10
     from hivetrain.config import get_preset
     from hivetrain.model import autocast_dtype, create_model
     from hivetrain.module import make_optimizer
@@ -192,7 +193,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         def step() -> None:
             nonlocal loss
             images, labels = next(stream)
-            x = to_model_input(images.to(device, non_blocking=True), img_size)
+            x = to_model_input(images.to(device, non_blocking=True), "cifar10", img_size)
             y = labels.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = F.cross_entropy(trained(x), y)
@@ -227,7 +228,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             started = time.perf_counter()
             with torch.no_grad():
                 for images, labels in val_loader:
-                    x = to_model_input(images.to(device, non_blocking=True), img_size)
+                    x = to_model_input(images.to(device, non_blocking=True), "cifar10", img_size)
                     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                         predicted = trained(x).argmax(dim=1)
                     right += (predicted == labels.to(device, non_blocking=True)).sum()

@@ -1,8 +1,9 @@
 """Datasets for the swarm: scikit-learn's digits, Fashion-MNIST, CIFAR-10 and synthetic CIFAR-10-shaped noise, as one
 LightningDataModule.
 
-Every image comes out as a normalised float tensor (3, img_size, img_size) and every label as int64, so
-the model never cares which dataset it trains on. Everything works offline: digits ship with
+Every image reaches the model as a normalised float tensor (3, img_size, img_size) and every label as int64, so
+the model never cares which dataset it trains on: made per sample on the CPU, or, with `device_transforms` (peers),
+per batch on the training device from the stored pixels (hivetrain.pixels). Everything works offline: digits ship with
 scikit-learn, Fashion-MNIST with Debian's `dataset-fashion-mnist`, and CIFAR-10 is read from any folder
 in the python-pickle layout without torchvision's md5 checks; the synthetic set is generated
 (hivetrain.synthetic_data).
@@ -27,6 +28,7 @@ from torchvision.datasets import CIFAR10, FashionMNIST
 
 from hivetrain.config import RunConfig
 from hivetrain.files import atomic_write
+from hivetrain.pixels import DATASET_STATS, to_model_input
 from hivetrain.synthetic_data import TRAIN_SAMPLES, VAL_SAMPLES, SyntheticCifar10
 
 DEFAULT_DATA_DIR = Path("~/.cache/hivetrain/data").expanduser()
@@ -35,19 +37,6 @@ FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-ima
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR_LAYOUT = f"<data-dir>/{CIFAR_FOLDER}/{{data_batch_1..5,test_batch,batches.meta}}"
-
-# Per-channel (mean, std) of each training split, pixels scaled to [0, 1]; grayscale sets repeat their one
-# channel value three times because they are replicated to RGB before normalising.
-DATASET_STATS: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]] = {
-    # load_digits().images / 16 on our 1,437-image train split (RandomState(0) permutation), at native 8x8.
-    "digits": ((0.3056,) * 3, (0.3763,) * 3),
-    # train-images-idx3-ubyte from Debian's dataset-fashion-mnist, all 60,000 images / 255.
-    "fashion-mnist": ((0.2860,) * 3, (0.3530,) * 3),
-    # The 50,000 CIFAR-10 training images / 255, per-pixel std over the whole split (the published values;
-    # this machine has no copy of CIFAR-10 to recompute them, and 0.2023/0.1994/0.2010 seen elsewhere is wrong).
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-}
-
 
 class DatasetUnavailable(RuntimeError):
     """The dataset is neither on disk nor downloadable; the message says where to put it."""
@@ -64,7 +53,7 @@ class ImageTensors(Dataset):
         return len(self.images)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.transform(_unit_float(self.images[i])), self.labels[i]
+        return self.transform(self.images[i]), self.labels[i]
 
 
 class TransformedImages(Dataset):
@@ -78,27 +67,33 @@ class TransformedImages(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         image, label = self.images[i]
-        return self.transform(_unit_float(image)), label
+        return self.transform(image), label
 
 
+# module-level functions (not lambdas), so the transforms pickle into DataLoader workers
 def _unit_float(x: torch.Tensor) -> torch.Tensor:
     return x.float().div_(255) if x.dtype == torch.uint8 else x
 
 
 def _to_rgb(x: torch.Tensor) -> torch.Tensor:
-    # module-level (not a lambda) so the transform pickles into DataLoader workers
     return x.expand(3, -1, -1) if x.shape[0] == 1 else x
 
 
-def _transform(dataset: str, native: int, img_size: int, augment: bool) -> T.Compose:
-    steps: list[Callable] = []
-    if native != img_size:
-        steps.append(T.Resize((img_size, img_size), antialias=True))
+def _transform(dataset: str, native: int, img_size: int, augment: bool, on_device: bool = False) -> T.Compose:
+    """The per-sample transform of a dataset stored at `native` px. On the CPU alone: scaled to [0, 1], resized to
+    `img_size`, augmented, RGB and normalised. With `on_device`, only the augmentation, at the stored size and dtype
+    (a crop shifted by up to an eighth of the image and a flip, as at `img_size`); the data module's
+    on_after_batch_transfer does the rest on the training device (hivetrain.pixels.to_model_input)."""
+    size = native if on_device else img_size
+    steps: list[Callable] = [] if on_device else [_unit_float]
+    if native != size:
+        steps.append(T.Resize((size, size), antialias=True))
     if augment:
-        steps.append(T.RandomCrop(img_size, padding=img_size // 8))  # pads black, before normalising
+        steps.append(T.RandomCrop(size, padding=size // 8))  # pads black, before normalising
         if dataset != "digits":  # a mirrored 2 or 7 is no longer that digit
             steps.append(T.RandomHorizontalFlip())
-    steps += [_to_rgb, T.Normalize(*DATASET_STATS[dataset])]
+    if not on_device:
+        steps += [_to_rgb, T.Normalize(*DATASET_STATS[dataset])]
     return T.Compose(steps)
 
 
@@ -190,7 +185,7 @@ def load_cifar_split(root: Path) -> tuple[Split, Split]:
 
 class ImageDataModule(L.LightningDataModule):
     def __init__(self, config: RunConfig, data_dir: Path, batch_size: int, seed: int, num_workers: int,
-                 val_limit: int | None, pin_memory: bool = False):
+                 val_limit: int | None, pin_memory: bool = False, device_transforms: bool = False):
         """Args:
             config: the run; its dataset, image size and augmentation shape the data.
             data_dir: where the dataset's files are (or are downloaded to).
@@ -200,10 +195,15 @@ class ImageDataModule(L.LightningDataModule):
             val_limit: validate on the first N validation samples only (None: all).
             pin_memory: batches in page-locked memory, for asynchronous copies to a CUDA device (Lightning copies
                 with non_blocking=True to every device but the CPU).
+            device_transforms: the loaders give the stored images (uint8 at their own size, augmented there), and
+                on_after_batch_transfer scales, resizes and normalises each batch on the training device, so a GPU
+                is not held back by per-sample resizing on a few CPU cores (hivetrain.pixels). Only where Lightning
+                moves the batches (fit, validate); other loops get ready inputs from the loaders without it.
         """
         super().__init__()
         self.config, self.data_dir, self.batch_size = config, data_dir, batch_size
         self.seed, self.num_workers, self.val_limit, self.pin_memory = seed, num_workers, val_limit, pin_memory
+        self.device_transforms = device_transforms
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.num_train = self.num_val = 0
@@ -229,9 +229,9 @@ class ImageDataModule(L.LightningDataModule):
             # Generated from the run's seed, so every peer and the coordinator hold the same images, and sent through
             # CIFAR-10's own transforms (its statistics, resize and augmentation): the mission's pipeline, no download.
             self.train_set = TransformedImages(SyntheticCifar10(TRAIN_SAMPLES, self.config.seed, "train"),
-                                               _transform("cifar10", 32, img_size, augment))
+                                               _transform("cifar10", 32, img_size, augment, self.device_transforms))
             val_set: Dataset = TransformedImages(SyntheticCifar10(VAL_SAMPLES, self.config.seed, "val"),
-                                                 _transform("cifar10", 32, img_size, augment=False))
+                                                 _transform("cifar10", 32, img_size, False, self.device_transforms))
         else:
             if dataset == "digits":
                 (train, val), native = load_digits_split(img_size), img_size  # already resized
@@ -240,12 +240,19 @@ class ImageDataModule(L.LightningDataModule):
             else:
                 self.prepare_data()  # no-op when the folder exists; lets callers skip the Lightning hook order
                 (train, val), native = load_cifar_split(self.data_dir), 32
-            self.train_set = ImageTensors(*train, _transform(dataset, native, img_size, augment))
-            val_set = ImageTensors(*val, _transform(dataset, native, img_size, augment=False))
+            self.train_set = ImageTensors(*train, _transform(dataset, native, img_size, augment, self.device_transforms))
+            val_set = ImageTensors(*val, _transform(dataset, native, img_size, False, self.device_transforms))
         if self.val_limit is not None:  # the first N, so every peer evaluates on the same samples
             val_set = Subset(val_set, range(min(self.val_limit, len(val_set))))  # type: ignore[arg-type]
         self.val_set = val_set
         self.num_train, self.num_val = len(self.train_set), len(val_set)
+
+    def on_after_batch_transfer(self, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.device_transforms:
+            return batch
+        images, labels = batch
+        return to_model_input(images, self.config.data.dataset, self.config.model.img_size), labels
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
@@ -263,8 +270,9 @@ class ImageDataModule(L.LightningDataModule):
 
 def make_datamodule(config: RunConfig, data_dir: str | Path | None = None, batch_size: int | None = None,
                     seed: int = 0, num_workers: int = 0, val_limit: int | None = None,
-                    pin_memory: bool = False) -> ImageDataModule:
+                    pin_memory: bool = False, device_transforms: bool = False) -> ImageDataModule:
     """The run's data module (ImageDataModule's arguments); data_dir None: DEFAULT_DATA_DIR, batch_size None: the
     run's."""
     root = Path(data_dir).expanduser() if data_dir is not None else DEFAULT_DATA_DIR
-    return ImageDataModule(config, root, batch_size or config.batch_size, seed, num_workers, val_limit, pin_memory)
+    return ImageDataModule(config, root, batch_size or config.batch_size, seed, num_workers, val_limit, pin_memory,
+                           device_transforms)

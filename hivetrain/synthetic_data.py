@@ -5,15 +5,14 @@ dataset of hivetrain.data (the synthetic-vit-b32 preset: the mission's shape on 
 Sample i of a split is a function of (seed, split, i) alone: the same seed gives the same images in any order and in
 any DataLoader worker. They are noise, so a model learns nothing from them and they say nothing about accuracy; what
 they exercise is exactly the GPU work of ViT-B/32 at 224 px. The GPU proof resizes and normalises whole batches on
-the device (`to_model_input`), as the CIFAR-10 pipeline's Resize and Normalize do per sample on the CPU; the
-"synthetic" dataset of hivetrain.data goes through that CIFAR-10 pipeline itself.
+the device (hivetrain.pixels.to_model_input), as the "synthetic" dataset of hivetrain.data does with
+device_transforms, through CIFAR-10's statistics.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 DATA_ORIGIN = "synthetic, seeded random images shaped like CIFAR-10"  # stated on every GPU page
@@ -45,16 +44,3 @@ class SyntheticCifar10(Dataset):
         image = rng.integers(0, 256, size=IMAGE_SHAPE, dtype=np.uint8)
         label = rng.integers(0, NUM_CLASSES)
         return torch.from_numpy(image), torch.tensor(label, dtype=torch.int64)
-
-
-def to_model_input(images: torch.Tensor, img_size: int) -> torch.Tensor:
-    """A uint8 batch (B, 3, 32, 32) as the model's input, on the batch's device: pixels scaled to [0, 1], resized to
-    `img_size` (bilinear, as torchvision's Resize) and normalised with CIFAR-10's channel statistics."""
-    from hivetrain.data import DATASET_STATS
-
-    x = images.float().div_(255)
-    if x.shape[-1] != img_size or x.shape[-2] != img_size:
-        x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)
-    mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in DATASET_STATS["cifar10"])
-    # In place: at the largest batch, one more copy of the input would be gigabytes the batch finder's trial never held.
-    return x.sub_(mean).div_(std)

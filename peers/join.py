@@ -28,7 +28,8 @@ from pathlib import Path
 # Set by rank 0 of a peer on several devices before Lightning launches the other ranks (they inherit its environment):
 # the run's configuration and the peer's data seed, as JSON.
 RANK_SETUP_ENV = "HIVETRAIN_PEER_RANK_SETUP"
-OTHER_RANKS_EXIT_TIMEOUT = 60.0  # seconds rank 0 waits for the other ranks to finish after training
+OTHER_RANKS_EXIT_TIMEOUT = 60.0
+GPU_LOADER_WORKERS = 2  # DataLoader processes of a peer on a GPU: prefetch while the card computes  # seconds rank 0 waits for the other ranks to finish after training
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -328,8 +329,11 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
             model = create_model(config.model, args.pretrained_weights, seed=config.seed)
         else:  # its weights come from rank 0 when DDP starts: no pretrained download or file read here
             model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed)
+        # The CPU only picks and augments the stored images; the device resizes and normalises whole batches
+        # (hivetrain.pixels). On a GPU two worker processes have the next batches ready while the card computes.
         datamodule = make_datamodule(config, args.data_dir, batch_size=batch_size, seed=data_seed,
-                                     pin_memory=speedups["pinned_memory"])
+                                     num_workers=GPU_LOADER_WORKERS if device == "cuda" else 0,
+                                     pin_memory=speedups["pinned_memory"], device_transforms=True)
         datamodule.prepare_data()
         datamodule.setup()
     except (DatasetUnavailable, PretrainedWeightsUnavailable) as e:

@@ -141,6 +141,30 @@ def test_cifar_resizes(tmp_path, no_download):
     assert x.shape == (4, 3, 48, 48)
 
 
+@pytest.mark.parametrize("dataset", ["cifar10", "digits"])
+def test_device_transforms_give_the_model_the_same_inputs(tmp_path, no_download, dataset):
+    """With device_transforms the loaders give the stored pixels (CIFAR-10's uint8 at 32 px) and the data module turns
+    each batch into the model's input where Lightning moved it: the same inputs the per-sample CPU pipeline makes."""
+    _write_cifar(tmp_path)
+    base = CIFAR if dataset == "cifar10" else DEMO
+    config = base.replace(model=dataclasses.replace(base.model, img_size=48))
+    on_cpu = make_datamodule(config, data_dir=tmp_path, batch_size=4)
+    on_device = make_datamodule(config, data_dir=tmp_path, batch_size=4, device_transforms=True)
+    expected, labels = next(iter(on_cpu.val_dataloader()))
+    stored, same_labels = next(iter(on_device.val_dataloader()))
+    if dataset == "cifar10":
+        assert stored.dtype == torch.uint8 and stored.shape == (4, 3, 32, 32)  # a sixth of the bytes to pin and move
+    x, y = on_device.on_after_batch_transfer((stored, same_labels), 0)
+    assert torch.equal(y, labels) and x.shape == expected.shape == (4, 3, 48, 48)
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+    assert on_cpu.on_after_batch_transfer((expected, labels), 0)[0] is expected  # without: batches pass as they are
+    # augmented at the stored size: a shifted crop and a flip of the 32 px image, then the same resize
+    augmented = make_datamodule(config.replace(data=DataConfig(dataset, augment=True)), data_dir=tmp_path,
+                                batch_size=4, device_transforms=True)
+    stored_train, _ = next(iter(augmented.train_dataloader()))
+    assert stored_train.shape == stored.shape and stored_train.dtype == stored.dtype
+
+
 def test_cifar_missing_without_network(tmp_path, no_download):
     dm = make_datamodule(CIFAR, data_dir=tmp_path / "nothing")
     with pytest.raises(DatasetUnavailable, match="--data-dir") as err:

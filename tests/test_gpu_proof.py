@@ -18,7 +18,8 @@ import torch
 
 from benchmarks import gpu_proof
 from benchmarks.gpu_page import render_gpu_page
-from hivetrain.synthetic_data import DATA_ORIGIN, SyntheticCifar10, to_model_input
+from hivetrain.pixels import to_model_input
+from hivetrain.synthetic_data import DATA_ORIGIN, SyntheticCifar10
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_RECORD = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"
@@ -96,14 +97,14 @@ def test_dataloader_workers_make_the_same_batches_as_direct_reads():
 
 
 def test_model_input_is_resized_and_normalised_with_cifar_statistics():
-    from hivetrain.data import DATASET_STATS
+    from hivetrain.pixels import DATASET_STATS
 
     mean, _ = DATASET_STATS["cifar10"]
     at_mean = torch.stack([torch.full((32, 32), round(255 * m), dtype=torch.uint8) for m in mean]).expand(2, 3, 32, 32)
-    x = to_model_input(at_mean, 224)
+    x = to_model_input(at_mean, "cifar10", 224)
     assert x.shape == (2, 3, 224, 224) and x.dtype == torch.float32
     assert float(x.abs().max()) < 0.01  # the mean image normalises to 0 (up to rounding to a uint8)
-    white = to_model_input(torch.full((1, 3, 32, 32), 255, dtype=torch.uint8), 224)
+    white = to_model_input(torch.full((1, 3, 32, 32), 255, dtype=torch.uint8), "cifar10", 224)
     assert float(white.min()) > 1.9  # (1 - 0.49) / 0.26 and the like
 
 
