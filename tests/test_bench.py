@@ -50,12 +50,14 @@ def test_communication_suite_smoke():
 def test_convergence_suite_smoke():
     result, section = smoke("convergence")
     curves = result["curves"]
-    assert set(curves) == {"single", "DDP", "swarm", "diloco", "diloco-grouped"}
+    assert set(curves) == {"single", "DDP", "swarm", "diloco", "diloco-blocking", "diloco-grouped"}
     for name, curve in curves.items():
         assert curve and curve[-1][1] > 0.2, name  # well above chance (0.1) after one pass over the data
     assert result["grouped"] == dict(peers=4, target_group_size=2)
     assert "benchmarks-convergence.png" in section
-    assert "| samples seen | single | DDP | swarm | diloco | diloco-grouped |" in section and "groups of at most 2" in section
+    assert "| samples seen | single | DDP | swarm | diloco | diloco-blocking | diloco-grouped |" in section
+    assert "groups of at most 2" in section and "diloco-blocking: **" in section  # a verdict for each variant
+    assert [len(runs) for runs in result["seed_curves"].values()] == [1, 1]  # one data order each in the smoke
 
 
 def test_links_suite_smoke():
