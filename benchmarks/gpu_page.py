@@ -223,6 +223,8 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
                      f"{fmt_seconds(run['window_s'])}, {run['epochs']}", ""
                      if run["gpu_util_over"] == "window" else "GPU utilisation over the whole run"])
     single = (record.get("reference") or {}).get("single") or {}
+    single_rate = (f"{single['train_samples_per_s']:,.0f} samples/s, above" if single.get("train_samples_per_s")
+                   else "not measured: no ratio")
     lines += [
         *_table(["variant", "samples/s (both peers)", "of one process's", f"≥ {swarm['ratio_target']:g}",
                  f"≥ {swarm['ratio_stretch']:g}", "GPU utilisation", "time in swarm rounds (per peer)",
@@ -236,7 +238,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         "",
         "Samples/s adds both peers' rates, read from their epoch events (`--events`, one per round) while both"
         f" trained; *of one process's* divides it by the single process's at the same batch"
-        f" ({single.get('train_samples_per_s') or 0:,.0f} samples/s, above), against the target"
+        f" ({single_rate}), against the target"
         f" {swarm['ratio_target']:g} and the stretch {swarm['ratio_stretch']:g}. GPU utilisation is NVML's mean over"
         " the samples taken while both peers trained (the window). Each peer's shares of its training time come from"
         " its leaving event: stood still for swarm rounds and state downloads (`swarm_seconds`), and waiting for an"

@@ -277,7 +277,7 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
 
     artifacts = tmp_path / "records" / "gpu-proof-test"
     clock = gpu_proof.Clock()
-    clock.zero -= 1000  # the proof started 1000 s ago: the swarm's window lies around 900-995 s on its clock
+    clock.zero -= 1000  # the proof started 1000 s ago: the swarm's window (its last 98 s) lies after 900 s
 
     # The ceiling, run for real on this CPU, small: the same command and parsing as on the GPU.
     ceiling = gpu_swarm.measure_ceiling(2, 0.1, artifacts, clock, options=(
@@ -296,16 +296,17 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
         now = time.time()
         return FakeRole([]), [_fake_peer(now, 0, wait_seconds=2.0), _fake_peer(now, 2, wait_seconds=5.0)]
 
-    class FakeNvmlSeries:  # GPU utilisation 95% while the peers trained, idle before and after
+    class FakeNvmlSeries:  # GPU utilisation 95% while the peers trained (the last 98 s), idle before and after
         def __init__(self, zero):
-            self.error = None
+            self.zero, self.error = zero, None
 
         def start(self):
             pass
 
         def stop(self):
-            return [dict(time_s=t, gpu=0, util_percent=u, memory_used_bytes=2**34)
-                    for t, u in ((850, 0.0), (920, 94.0), (950, 96.0), (980, 95.0), (1100, 0.0))]
+            now = time.monotonic() - self.zero
+            return [dict(time_s=now + t, gpu=0, util_percent=u, memory_used_bytes=2**34)
+                    for t, u in ((-150, 0.0), (-80, 94.0), (-50, 96.0), (-20, 95.0), (100, 0.0))]
 
     monkeypatch.setattr(benchmarks.bench, "run_swarm", fake_run_swarm)
     monkeypatch.setattr(benchmarks.gpu_monitor, "NvmlSeries", FakeNvmlSeries)
@@ -343,7 +344,7 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     text = render_gpu_page(record, tmp_path / "logbook", tmp_path / "records").read_text()
     assert "Not searched (`--no-search`): every precision ran at the swarm's batch, 1024." in text
     assert "## One process at the swarm's batch (1024, `bf16-mixed`)" in text
-    assert "**7,200 training samples/s**" in text
+    assert "**7,200 training samples/s**" in text and "(7,200 samples/s, above)" in text
     assert f"**{ceiling['samples_per_s']:,.0f} samples/s**, MFU **{100 * ceiling['mfu']:.1f}%**" in text
     assert (f"| diloco-overlapped | {rate:,.0f} | {rate / 7200:.3f} | met | not met | 95% | 8.0%, 8.0% |"
             f" 2.0%, 5.0% | {100 * run['mfu']:.1f}% |") in text
