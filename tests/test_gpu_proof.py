@@ -352,3 +352,46 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     assert "--mode diloco --no-overlap-rounds --inner-steps 100" in text
     assert "--batch-size 1024 --precision bf16-mixed" in text
     assert "| ceiling `bf16-mixed` |" in text and "| swarm diloco-overlapped |" in text
+
+
+def test_a_short_proof_reuses_its_speed_run_as_the_swarms_reference(tmp_path, monkeypatch):
+    """run_proof's wiring with --no-search, its runs faked: the bf16-mixed speed run at --swarm-batch is the single
+    process the swarm is held against, the ceiling runs at that batch, and both variants get both references."""
+    example = json.loads(EXAMPLE_RECORD.read_text())
+    calls = []
+
+    def fake_speed(precision, batch, devices, args, artifacts, clock, label=None):
+        calls.append(("speed", precision, batch, label))
+        return dict(example["precisions"][1]["single"], batch_size=batch, train_samples_per_s=7000.0)
+
+    def fake_ceiling(batch, seconds, artifacts, clock):
+        calls.append(("ceiling", batch, seconds))
+        return dict(samples_per_s=8000.0, bf16_matmul_flops=8e14, train_flops_per_image=26e9, mfu=0.26,
+                    matmul_size=8192, log="ceiling-bf16-mixed.log")
+
+    def fake_swarm(variants, minutes, batch, inner_steps, artifacts, clock, single=None, ceiling=None):
+        calls.append(("swarm", tuple(variants), minutes, batch, inner_steps, single["train_samples_per_s"],
+                      ceiling["mfu"]))
+        return [dict(variant=variant, error="not run: faked") for variant in variants]
+
+    monkeypatch.setattr(gpu_proof, "measure_speed", fake_speed)
+    monkeypatch.setattr(gpu_proof, "measure_ceiling", fake_ceiling)
+    monkeypatch.setattr(gpu_proof, "measure_swarm_variants", fake_swarm)
+    monkeypatch.setattr(gpu_proof, "ensure_hivemind", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = gpu_proof.parse_args(["--precisions", "bf16-mixed", "--no-search", "--speed-seconds", "6",
+                                 "--swarm-minutes", "1.25", "--out", str(tmp_path / "out"), "--records",
+                                 str(tmp_path / "records"), "--commit", "abc"])
+    assert gpu_proof.run_proof(args, "python -m benchmarks.gpu_proof ...") == 0
+    assert calls == [("speed", "bf16-mixed", 1024, None), ("ceiling", 1024, 6.0),
+                     ("swarm", ("diloco-overlapped",), 1.25, 1024, 100, 7000.0, 0.26),
+                     ("swarm", ("diloco-blocking",), 1.25, 1024, 100, 7000.0, 0.26)]
+    [path] = (tmp_path / "records").glob("gpu-proof-*.json")
+    record = json.loads(path.read_text())
+    assert record["finished"] and record["settings"]["search"] is False
+    assert record["precisions"][0]["search"] == dict(
+        error="skipped: --no-search was given; speed measured at --swarm-batch 1024")
+    assert record["reference"]["single_from"] == "the bf16-mixed single-GPU speed run above"
+    assert [run["variant"] for run in record["swarm"]["variants"]] == ["diloco-overlapped", "diloco-blocking"]
+    text = (tmp_path / "out" / "gpu.md").read_text()
+    assert "Not searched (`--no-search`)" in text and "| diloco-blocking | – |" in text
