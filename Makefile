@@ -24,7 +24,8 @@ bench: $(VENV)/.installed
 
 # The GPU proof (benchmarks/gpu_proof.py): logbook/gpu.md on a machine with a CUDA GPU, one line saying so elsewhere.
 # No install step: the GPU machines have no network and run it with their own python3 (hivemind from .whl/, see
-# baselines/README.md, "GPU proof"); here it uses .venv's Python when there is one. Options: ARGS="--no-swarm ...".
+# baselines/README.md, "GPU proof"); here it uses .venv's Python when there is one. Options: ARGS="--no-swarm ...";
+# about 7 minutes on an H100: ARGS="--precisions bf16-mixed --no-search --speed-seconds 6 --swarm-minutes 1.25".
 .PHONY: gpu-proof
 GPU_PROOF_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-proof:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.gpu_swarm import OWN_REFERENCE_RUN
 from hivetrain.formatting import fmt_bytes, fmt_percent, fmt_seconds
 
 PAGE_NAME = "gpu.md"
@@ -60,6 +61,7 @@ def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
     ]
     lines += _batch_section(record)
     lines += _speed_section(record, out_dir)
+    lines += _reference_section(record, artifacts, link)
     lines += _swarm_section(record, artifacts, link)
     lines += _recording_section(record, out_dir, artifacts, link)
     record_file = records_dir / f"{record['name']}.json"
@@ -83,6 +85,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _batch_section(record: dict) -> list[str]:
     settings = record["settings"]
+    if settings.get("search") is False:  # --no-search: one line instead of a table of skipped searches
+        return ["## The largest batch per precision", "",
+                f"Not searched (`--no-search`): every precision ran at the swarm's batch, {settings['swarm_batch']}.",
+                ""]
     rows, details = [], []
     for entry in record["precisions"]:
         search = entry["search"]
@@ -152,11 +158,102 @@ def _speed_section(record: dict, out_dir: Path) -> list[str]:
     return lines
 
 
+def _percent(share: Optional[float]) -> str:
+    return "–" if share is None else f"{100 * share:.1f}%"
+
+
+def _shares(shares: Optional[list]) -> str:
+    return ", ".join(_percent(share) for share in shares) if shares else "–"
+
+
+def _met(met: Optional[bool]) -> str:
+    return "–" if met is None else ("met" if met else "not met")
+
+
+def _reference_section(record: dict, artifacts: Path, link) -> list[str]:
+    """The single process and the pure-compute ceiling at the swarm's batch (records from before they were measured
+    have no `reference`: nothing is shown)."""
+    reference = record.get("reference")
+    if not reference:
+        return []
+    single, ceiling = reference.get("single"), reference.get("ceiling")
+    lines = [f"## One process at the swarm's batch ({reference['batch_size']}, `{reference['precision']}`)", ""]
+    if single is None:
+        lines.append("- With the project's loader: not reached: the proof stopped before it.")
+    elif single.get("error"):
+        lines.append(f"- With the project's loader: {_failure(single['error'])}.")
+    else:
+        batch_note = "" if single["batch_size"] == reference["batch_size"] else \
+            f" (at batch {single['batch_size']}: {reference['batch_size']} ran out of memory)"
+        lines.append(f"- With the project's loader (`benchmarks.gpu_speed`, {reference['single_from']}):"
+                     f" **{single['train_samples_per_s']:,.0f} training samples/s**{batch_note}; the swarm below is"
+                     " held against this.")
+    if ceiling is None:
+        lines.append("- Pure-compute ceiling: not reached: the proof stopped before it.")
+    elif ceiling.get("error"):
+        lines.append(f"- Pure-compute ceiling: {_failure(ceiling['error'])}.")
+    else:
+        lines.append(
+            f"- Pure-compute ceiling (`benchmarks.gpu_ceiling`: one batch of images already on the GPU, no loader, no"
+            f" swarm): **{ceiling['samples_per_s']:,.0f} samples/s**, MFU **{_percent(ceiling['mfu'])}** of the"
+            f" card's bf16 matrix rate measured in the same run, {ceiling['bf16_matmul_flops'] / 1e12:,.0f} TFLOP/s"
+            f" ({ceiling['matmul_size']}³ product); {ceiling['train_flops_per_image'] / 1e9:,.1f} GFLOP per training"
+            f" image (3 × the forward's, counted by torch)."
+            f" Log: [{ceiling['log']}]({link(artifacts / ceiling['log'])}).")
+    return lines + [""]
+
+
 def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     swarm = record["swarm"]
     lines = ["## A 2-peer swarm sharing the GPU", ""]
     if swarm.get("skipped"):
         return lines + [f"Not run: {swarm['skipped']}", ""]
+    if "variants" not in swarm:  # a record from before the mission-shaped swarm: sync and diloco on digits
+        return lines + _modes_section(swarm, artifacts, link)
+    rows = []
+    for run in swarm["variants"]:
+        if run.get("error"):
+            rows.append([run["variant"], *["–"] * 9, _failure(run["error"])])
+            continue
+        ratio = run["ratio_to_single"]
+        rows.append([run["variant"], f"{run['samples_per_s']:,.0f}", "–" if ratio is None else f"{ratio:.3f}",
+                     _met(run["ratio_target_met"]), _met(run["ratio_stretch_met"]),
+                     "–" if run["gpu_util_percent"] is None else fmt_percent(run["gpu_util_percent"]),
+                     _shares(run["swarm_time_share"]), _shares(run["wait_share"]), _percent(run["mfu"]),
+                     f"{fmt_seconds(run['window_s'])}, {run['epochs']}", ""
+                     if run["gpu_util_over"] == "window" else "GPU utilisation over the whole run"])
+    single = (record.get("reference") or {}).get("single") or {}
+    single_rate = (f"{single['train_samples_per_s']:,.0f} samples/s, above" if single.get("train_samples_per_s")
+                   else "not measured: no ratio")
+    lines += [
+        *_table(["variant", "samples/s (both peers)", "of one process's", f"≥ {swarm['ratio_target']:g}",
+                 f"≥ {swarm['ratio_stretch']:g}", "GPU utilisation", "time in swarm rounds (per peer)",
+                 "waiting for overlapped rounds (per peer)", "MFU", "window, rounds", "note"], rows),
+        "",
+        f"A coordinator of the `{swarm['preset']}` preset ({swarm['preset_note']}) in diloco mode,"
+        f" {swarm['inner_steps']} inner steps a round, and two peers at batch {swarm['batch_size']} in"
+        f" `{swarm['precision']}` on loopback, both on the same GPU. Per variant, the coordinator ran "
+        + "; ".join(f"{variant}: `{command}`" for variant, command in swarm["coordinator_commands"].items())
+        + "; each peer `" + swarm["peer_command"] + "`.",
+        "",
+        "Samples/s adds both peers' rates, read from their epoch events (`--events`, one per round) while both"
+        f" trained; *of one process's* divides it by the single process's at the same batch"
+        f" ({single_rate}), against the target"
+        f" {swarm['ratio_target']:g} and the stretch {swarm['ratio_stretch']:g}. GPU utilisation is NVML's mean over"
+        " the samples taken while both peers trained (the window). Each peer's shares of its training time come from"
+        " its leaving event: stood still for swarm rounds and state downloads (`swarm_seconds`), and waiting for an"
+        " overlapped round to finish (`wait_seconds`). MFU: samples/s × the ceiling's training FLOPs per image over"
+        " the card's measured bf16 matrix rate.",
+        "",
+    ]
+    logs = [name for run in swarm["variants"] for name in run.get("logs", [])]
+    if logs:
+        lines += ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""]
+    return lines
+
+
+def _modes_section(swarm: dict, artifacts: Path, link) -> list[str]:
+    """The swarm of an older record: one row per swarm mode (sync, diloco) of the digits-vit-b32 preset."""
     rows = []
     for run in swarm["modes"]:
         if run.get("error"):
@@ -165,8 +262,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         shares = ", ".join(f"{100 * s:.0f}%" for s in run["swarm_time_share"])
         rows.append([run["mode"], f"{run['samples_per_s']:,.0f}", fmt_seconds(run["window_s"]), str(run["epochs"]),
                      shares, str(run["missed_rounds"]), ""])
-    first = swarm["modes"][0] if swarm["modes"] else {}
-    lines += [
+    lines = [
         *_table(["swarm mode", "samples/s (both peers)", "window", "swarm epochs", "time in swarm rounds (per peer)",
                  "missed rounds", "note"], rows),
         "",
@@ -177,7 +273,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         "",
     ]
     logs = [name for run in swarm["modes"] for name in run.get("logs", [])]
-    if logs and first:
+    if logs:
         lines += ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""]
     return lines
 
@@ -190,8 +286,13 @@ def _runs(record: dict) -> list[tuple[str, dict]]:
         for run in (entry["single"], entry.get("ddp")):
             if run is not None:
                 runs.append((f"speed `{entry['precision']}` {run.get('strategy', '')}", run.get("recording")))
-    for run in record["swarm"].get("modes", []):
-        runs.append((f"swarm {run['mode']}", run.get("recording")))
+    reference = record.get("reference") or {}
+    if reference.get("single_from") == OWN_REFERENCE_RUN:
+        runs.append((f"speed `{reference['precision']}` at the swarm's batch", reference["single"].get("recording")))
+    if reference.get("ceiling"):
+        runs.append((f"ceiling `{reference['precision']}`", reference["ceiling"].get("recording")))
+    for run in record["swarm"].get("variants", record["swarm"].get("modes", [])):
+        runs.append((f"swarm {run.get('variant') or run['mode']}", run.get("recording")))
     return [(label, recording) for label, recording in runs if recording]
 
 

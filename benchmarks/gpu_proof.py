@@ -3,15 +3,21 @@
     python -m benchmarks.gpu_proof          # or: make gpu-proof
     python -m benchmarks.gpu_proof --train-samples 10000 --val-samples 2000 --precisions bf16-mixed --no-swarm
 
+    python -m benchmarks.gpu_proof --precisions bf16-mixed --no-search --speed-seconds 6 --swarm-minutes 1.25
+
 On synthetic data shaped like CIFAR-10 (hivetrain/synthetic_data.py); the defaults aim at a few minutes per step
-and under 9 minutes in all on one H100:
+and under 9 minutes in all on one H100 (the short form above, about 7):
 
 1. the largest batch per precision (32, bf16-mixed, 16-mixed), found against the GPU's real memory by the project's
-   batch finder (baselines/batch_finder.py);
+   batch finder (baselines/batch_finder.py); with --no-search, none: every precision runs at --swarm-batch;
 2. training and validation samples/s and peak GPU memory (torch.cuda.max_memory_allocated) at that batch on one GPU
    (benchmarks/gpu_speed.py), and with DDP on every GPU of the machine when it has 2 or more;
-3. a 2-peer swarm sharing the GPU in each swarm mode (`measure_swarm_modes`): coordinator/start.py and two
-   peers/join.py --device cuda, their samples/s read from the peers' epoch events.
+3. the reference at the swarm's batch (--swarm-batch, bf16-mixed): one process with the project's loader
+   (benchmarks/gpu_speed.py) and the pure-compute ceiling with the card's measured bf16 matrix rate
+   (benchmarks/gpu_ceiling.py);
+4. a 2-peer swarm of the synthetic-vit-b32 preset sharing the GPU, each peer at --swarm-batch, in diloco mode with
+   rounds overlapped and blocking (benchmarks/gpu_swarm.py): its samples/s against the reference's, GPU utilisation,
+   each peer's time in rounds and waits, and MFU.
 
 Every run is recorded: an NVML series of each GPU's utilisation and memory every second, nvidia-smi's CSV log, and
 raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION` text. The JSON record and those files go to
@@ -30,23 +36,22 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET
+from benchmarks.gpu_swarm import (OWN_REFERENCE_RUN, RATIO_STRETCH, RATIO_TARGET, SWARM_PRECISION, SWARM_PRESET,
+                                  SWARM_PRESET_NOTE, SWARM_VARIANTS, coordinator_args, measure_ceiling,
+                                  measure_swarm_variants, peer_args)
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA_LINE = "No CUDA GPU here: the GPU proof needs one; nothing was run."
-SWARM_PRESET = "digits-vit-b32"  # ViT-B/32's full state at 32 px on bundled digits: no dataset to bring along
-SWARM_PRESET_NOTE = "ViT-B/32's full state, 88M parameters, at 32 px on scikit-learn's bundled digits"
+NO_SEARCH = "skipped: --no-search was given"  # the page shows one line instead of the search's table
 SPEED_TIMEOUT_S = 420  # one speed run: start, warm-up, timed window, validation pass; DDP start included
 OOM_RETRIES = 2  # a speed run that runs out of memory at the found batch tries again 1/8 smaller, this many times
 
@@ -57,7 +62,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         description="Measure ViT-B/32 (timm vit_base_patch32_224, random init, 10 classes) at 224 px on this"
                     " machine's CUDA GPUs, on synthetic data shaped like CIFAR-10: the largest batch per precision"
                     " (the project's batch finder), samples/s and peak GPU memory at it on one GPU and with DDP on"
-                    " all GPUs (when 2 or more), and a 2-peer swarm sharing the GPU; record nvidia-smi and NVML"
+                    " all GPUs (when 2 or more), the single process and the pure-compute ceiling at the swarm's"
+                    " batch, and a 2-peer swarm sharing the GPU (diloco, rounds overlapped and blocking) held"
+                    " against them; record nvidia-smi and NVML"
                     " while each run lasts; write logbook/gpu.md and a JSON record under logbook/gpu-records/."
                     " Without a CUDA GPU it prints one line and exits 0.",
         epilog="On a machine without network the swarm's hivemind comes from .whl/ (scripts/prepare-gpu-wheelhouse.sh"
@@ -71,6 +78,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     runs = parser.add_argument_group("what to measure")
     runs.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
                       help="precisions to search and measure, in this order")
+    runs.add_argument("--no-search", action="store_true",
+                      help="skip the batch search: every precision's speed is measured at --swarm-batch")
     runs.add_argument("--search-start", type=int, default=1024,
                       help="first batch the search tries (later precisions start from the largest answer so far)")
     runs.add_argument("--search-cap", type=int, default=16384,
@@ -80,7 +89,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                       help="the search stops when fitting and failing sizes are within this fraction of the answer")
     runs.add_argument("--warmup-steps", type=int, default=5, help="untimed training steps before the timed window")
     runs.add_argument("--speed-seconds", type=float, default=15.0, help="length of each timed training window")
-    runs.add_argument("--swarm-minutes", type=float, default=1.0, help="how long each swarm's peers train")
+    runs.add_argument("--swarm-minutes", type=float, default=1.5,
+                      help="how long each swarm's peers train (--max-time; their start, ~30-40 s, comes on top)")
+    runs.add_argument("--swarm-batch", type=int, default=1024,
+                      help="each swarm peer's batch (bf16-mixed), and the batch of the single-process reference and"
+                           " the ceiling it is held against")
+    runs.add_argument("--swarm-inner-steps", type=int, default=100,
+                      help="the swarm's diloco inner steps per round (the coordinator's --inner-steps)")
     runs.add_argument("--no-swarm", action="store_true", help="skip the 2-peer swarm")
     runs.add_argument("--budget-minutes", type=float, default=9.0,
                       help="start no step after this many minutes; the steps left are recorded as skipped (the"
@@ -102,6 +117,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--train-samples must be at least 1")
     if args.val_samples < 0 or args.warmup_steps < 0 or args.seed < 0:
         parser.error("--val-samples, --warmup-steps and --seed must be 0 or more")
+    if args.swarm_batch < 1 or args.swarm_inner_steps < 1:
+        parser.error("--swarm-batch and --swarm-inner-steps must be at least 1")
     if args.search_start < 1 or args.search_cap < args.search_start:
         parser.error("--search-start must be at least 1 and at most --search-cap")
     if not 0 < args.search_tolerance <= 1:
@@ -163,7 +180,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
 
     from benchmarks.gpu_monitor import write_nvidia_smi_dumps
     from hivetrain.synthetic_data import DATA_ORIGIN, IMAGE_SHAPE, NUM_CLASSES
-    from hivetrain.config import SWARM_MODES, get_preset
+    from hivetrain.config import get_preset
     from hivetrain.files import atomic_write
 
     clock = Clock(args.budget_minutes)
@@ -181,29 +198,25 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     clock.say(f"{name}: {', '.join(g['name'] for g in environment['gpus']) or 'GPUs'}; {gpu_count} visible to CUDA;"
               f" torch {environment['torch']} (CUDA {environment['cuda']}); data: {DATA_ORIGIN}")
     model = get_preset(PRESET).model
-    swarm_commands = dict(
-        coordinator_command=shlex.join(["python", "coordinator/start.py", *_coordinator_args()]),
-        peer_command=shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS",
-                                 "--min-peers", "2", "--seed", "PEER_INDEX", "--progress-bar", "off",
-                                 *_peer_args(args.swarm_minutes)]),
-    )
     record = dict(
         kind="gpu-proof", example=False, name=name, command=command, artifacts=name, environment=environment,
         data=dict(origin=DATA_ORIGIN, image_shape=list(IMAGE_SHAPE), num_classes=NUM_CLASSES,
                   train_samples=args.train_samples, val_samples=args.val_samples, seed=args.seed),
         model=dict(name=model.name, img_size=model.img_size, num_classes=model.num_classes, pretrained=False,
                    optimizer_preset=PRESET),
-        settings=dict(search_start=args.search_start, search_cap=args.search_cap,
+        settings=dict(search=not args.no_search, search_start=args.search_start, search_cap=args.search_cap,
                       search_tolerance=args.search_tolerance,
                       warmup_steps=args.warmup_steps, speed_seconds=args.speed_seconds,
-                      swarm_minutes=args.swarm_minutes, budget_minutes=args.budget_minutes),
+                      swarm_minutes=args.swarm_minutes, swarm_batch=args.swarm_batch,
+                      swarm_inner_steps=args.swarm_inner_steps, budget_minutes=args.budget_minutes),
         start_dumps=write_nvidia_smi_dumps(artifacts, "start"), precisions=[],
         ddp_note=(f"DDP ran on all {gpu_count} GPUs (one process each, NCCL) at each precision's single-GPU batch"
                   " per GPU." if gpu_count >= 2 else
                   f"DDP: not run, this machine has {gpu_count} CUDA GPU; it runs on every local GPU when there are 2"
                   " or more."),
-        swarm=dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, **swarm_commands, modes=[],
-                   skipped=swarm_skipped or "not reached: the proof stopped before the swarm"),
+        reference=dict(batch_size=args.swarm_batch, precision=SWARM_PRECISION, single=None, single_from=None,
+                       ceiling=None),
+        swarm=new_swarm_record(args, swarm_skipped),
         finished=False, wall_time_s=0.0,
     )
     record_path = args.records / f"{name}.json"
@@ -227,9 +240,13 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                 entry["single"] = dict(strategy="single", error=skipped)
                 clock.say(f"batch search and speed, {precision}: {skipped}")
                 continue
-            entry["search"] = search_batch(precision, start, args, artifacts, clock)
-            save()
-            found = entry["search"].get("batch_size")
+            if args.no_search:
+                entry["search"] = dict(error=f"{NO_SEARCH}; speed measured at --swarm-batch {args.swarm_batch}")
+                found = args.swarm_batch
+            else:
+                entry["search"] = search_batch(precision, start, args, artifacts, clock)
+                save()
+                found = entry["search"].get("batch_size")
             if not found:
                 entry["single"] = dict(strategy="single", error="not measured: the batch search gave no answer")
                 continue
@@ -249,19 +266,38 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                     entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock)
                 save()
 
+        measure_reference(record, args, artifacts, clock, save)
         if swarm_skipped is None:
             record["swarm"]["skipped"] = None
-            for mode in SWARM_MODES:
-                record["swarm"]["modes"] += measure_swarm_modes([mode], args.swarm_minutes, artifacts, clock)
+            reference = record["reference"]
+            for variant in SWARM_VARIANTS:
+                record["swarm"]["variants"] += measure_swarm_variants(
+                    [variant], args.swarm_minutes, args.swarm_batch, args.swarm_inner_steps, artifacts, clock,
+                    single=reference["single"], ceiling=reference["ceiling"])
                 save()
         else:
             clock.say(f"swarm: not run: {swarm_skipped}")
-    except ProofStopped as e:  # in a batch search or speed run; a swarm records it as that mode's error
+    except ProofStopped as e:  # in a batch search, speed or ceiling run; a swarm records it as that variant's error
         clock.say(str(e))
     record["finished"] = not clock.stopped
     page = save()
     clock.say(f"wrote {page}, {record_path} and the raw files in {artifacts}/")
     return 143 if clock.stopped else 0
+
+
+def new_swarm_record(args: argparse.Namespace, skipped: Optional[str]) -> dict:
+    """The record's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.bench
+    starts them, less their --identity, --log-dir and --name in a scratch folder) and the ratio it aims at."""
+    coordinator_commands = {variant: shlex.join([
+        "python", "coordinator/start.py", "--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0",
+        "--validate-every", "0", *coordinator_args(variant, args.swarm_inner_steps)]) for variant in SWARM_VARIANTS}
+    peer_command = shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS", "--min-peers",
+                               "2", "--seed", "PEER_INDEX", "--progress-bar", "off",
+                               *peer_args(args.swarm_minutes, args.swarm_batch)])
+    return dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, batch_size=args.swarm_batch,
+                precision=SWARM_PRECISION, inner_steps=args.swarm_inner_steps, ratio_target=RATIO_TARGET,
+                ratio_stretch=RATIO_STRETCH, coordinator_commands=coordinator_commands, peer_command=peer_command,
+                variants=[], skipped=skipped or "not reached: the proof stopped before the swarm")
 
 
 def describe_environment(commit: Optional[str]) -> dict:
@@ -351,14 +387,15 @@ def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts
 
 
 def measure_speed(precision: str, batch: int, devices: int, args: argparse.Namespace, artifacts: Path,
-                  clock: Clock) -> dict:
+                  clock: Clock, label: Optional[str] = None) -> dict:
     """benchmarks.gpu_speed at `batch` per GPU on `devices` GPUs; 1/8 smaller after an out-of-memory, up to
-    OOM_RETRIES times (the search's trial holds a little less than a training loop does)."""
+    OOM_RETRIES times (the search's trial holds a little less than a training loop does). `label` names its log
+    and recording files (default: speed-PRECISION-STRATEGY)."""
     from benchmarks.gpu_monitor import RunMonitor
     from hivetrain.formatting import fmt_bytes
 
     strategy = "single" if devices == 1 else "ddp"
-    label = f"speed-{precision}-{strategy}{devices if devices > 1 else ''}"
+    label = label or f"speed-{precision}-{strategy}{devices if devices > 1 else ''}"
     attempts: list[dict] = []
     result: dict = dict(strategy=strategy, devices=devices)
     log = artifacts / f"{label}.log"
@@ -409,70 +446,26 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
     return result
 
 
-def _coordinator_args() -> list[str]:
-    # What benchmarks.bench.start_coordinator passes (besides its --identity and --log-dir in a scratch folder).
-    return ["--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0", "--validate-every", "0"]
-
-
-def _peer_args(minutes: float) -> list[str]:
-    # After run_swarm's own --threads 1 (the last one counts): a peer's rounds and state transfers of ViT-B/32's 88M
-    # parameters run on the CPU, where one thread would leave most of a GPU machine's cores idle.
-    threads = max(1, min(8, (os.cpu_count() or 2) // 4))
-    return ["--device", "cuda", "--max-time", f"{minutes:g}", "--threads", str(threads)]
-
-
-def measure_swarm_modes(modes: list[str], minutes: float, artifacts: Path, clock: Clock) -> list[dict]:
-    """A 2-peer swarm sharing the GPU in each swarm mode of `modes`: a coordinator of the digits-vit-b32 preset
-    (`--validate-every 0`) and two `peers/join.py --device cuda --max-time MINUTES` on loopback, as
-    benchmarks.bench's run_swarm starts them; samples/s of both peers together from their
-    epoch events (their cumulative samples) while both trained (benchmarks.bench.swarm_window).
-    The roles' logs are kept in `artifacts`."""
-    from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
-    from benchmarks.bench import run_swarm, swarm_window
-
-    from hivetrain.config import SWARM_MODES
-
-    for mode in modes:
-        if mode not in SWARM_MODES:
-            raise ValueError(f"swarm mode {mode!r} is not one of {', '.join(SWARM_MODES)}")
-    results = []
-    for mode in modes:
-        if skipped := clock.spent():
-            results.append(dict(mode=mode, error=skipped))
-            clock.say(f"swarm, {mode}: {skipped}")
-            continue
-        label = f"swarm-{mode}"
-        work = Path(tempfile.mkdtemp(prefix=f"hivetrain-gpu-{label}-"))
-        clock.say(f"swarm, {mode}: a coordinator and 2 peers on the GPU, training {minutes:g} min")
-        result: dict = dict(mode=mode)
-        # The raw views are taken once, about half-way through the peers' training (they start after ~30 s).
-        dump = threading.Timer(30 + minutes * 30, write_nvidia_smi_dumps, (artifacts, label))
-        with RunMonitor(artifacts, label, clock.zero) as monitor:
-            dump.start()
-            try:
-                # run_swarm passes its coordinator the preset, --host 127.0.0.1 --port 0 --validate-every 0
-                coordinator, peers = run_swarm(work, label, 2, ["--mode", mode], _peer_args(minutes),
-                                               timeout=minutes * 60 + 240, preset=SWARM_PRESET)
-                result.update(swarm_window(coordinator, peers))
-            except RuntimeError as e:  # a role failed, printed too little, or SIGTERM: its log, kept below, says why
-                result["error"] = str(e).replace(str(work), str(artifacts))
-            finally:
-                dump.cancel()
-                # kept even when the proof is stopped here: the roles' logs say how far the swarm got
-                result["logs"] = []
-                for log in sorted(work.glob(f"{label}*.log")):
-                    shutil.copy(log, artifacts / log.name)
-                    result["logs"].append(log.name)
-                shutil.rmtree(work, ignore_errors=True)
-        result["recording"] = dict(monitor.recording, nvidia_smi_dumps=sorted(
-            p.name for p in artifacts.glob(f"{label}.nvidia-smi*.txt")))
-        if "error" in result:
-            clock.say(f"swarm, {mode}: failed: {result['error']}")
-        else:
-            clock.say(f"swarm, {mode}: {result['samples_per_s']:,.0f} samples/s over {result['window_s']:.0f} s,"
-                      f" {result['epochs']} swarm epochs")
-        results.append(result)
-    return results
+def measure_reference(record: dict, args: argparse.Namespace, artifacts: Path, clock: Clock, save) -> None:
+    """The single process and the pure-compute ceiling at the swarm's batch and precision, into record["reference"]:
+    the single process is the speed run above when one ran at that batch and precision, else measured here."""
+    reference = record["reference"]
+    same = next((entry["single"] for entry in record["precisions"] if entry["precision"] == SWARM_PRECISION
+                 and not entry["single"].get("error") and entry["single"]["batch_size"] == args.swarm_batch), None)
+    if same is not None:
+        reference.update(single=same, single_from=f"the {SWARM_PRECISION} single-GPU speed run above")
+    elif skipped := clock.spent():
+        reference["single"] = dict(strategy="single", error=skipped)
+    else:
+        reference.update(single=measure_speed(SWARM_PRECISION, args.swarm_batch, 1, args, artifacts, clock,
+                                              label=f"reference-{SWARM_PRECISION}"),
+                         single_from=OWN_REFERENCE_RUN)
+        save()
+    if skipped := clock.spent():
+        reference["ceiling"] = dict(error=skipped)
+    else:
+        reference["ceiling"] = measure_ceiling(args.swarm_batch, args.speed_seconds, artifacts, clock)
+    save()
 
 
 if __name__ == "__main__":
