@@ -135,7 +135,9 @@ def test_speed_measurement_on_one_device():
     result = _speed()
     assert result["strategy"] == "single" and result["devices"] == 1 and not result["out_of_memory"]
     assert result["steps"] >= 2 and result["train_samples"] == 2 * result["steps"]
-    assert result["train_samples_per_s"] == pytest.approx(result["train_samples"] / result["train_seconds"], rel=0.05)
+    # rounded to 0.1 samples/s: on a busy CPU the rate falls under 1, where that rounding is more than 5%
+    assert result["train_samples_per_s"] == pytest.approx(result["train_samples"] / result["train_seconds"], rel=0.05,
+                                                          abs=0.05)
     assert result["val_samples"] == 3 and result["val_samples_per_s"] > 0
     assert math.isfinite(result["final_loss"])
     assert result["peak_memory_bytes"] == [None]  # a CPU has no CUDA allocator to ask
