@@ -435,8 +435,8 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     grouped_round_samples = CONVERGENCE_INNER_STEPS * batch * CONVERGENCE_GROUPED_PEERS
     grouped_rounds = max(1, single["train_samples"] // grouped_round_samples)
     run_swarm(work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
-              ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--inner-steps",
-               str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
+              ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--overlap-rounds",
+               "--inner-steps", str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
                *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
               timeout=900,
               until=lambda: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
@@ -708,13 +708,13 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
         diloco = (f" diloco: 2 peers, {result['inner_steps']} inner steps of 32 per round; its schedule counts a"
                   " peer's inner steps, so warmup and total steps are the preset's times target batch / (2 x 32), the"
                   f" same learning rate at the same samples seen; round r is plotted at r x {result['inner_steps']} x 32"
-                  " x 2 samples." + (" Its rounds overlap the next inner steps (the default); diloco-blocking stops"
-                                     " them for each round (`--no-overlap-rounds`)." if "diloco-blocking" in curves
-                                     else ""))
+                  " x 2 samples." + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do"
+                                     " diloco-grouped's; diloco-blocking stops them for each round"
+                                     " (`--no-overlap-rounds`)." if "diloco-blocking" in curves else ""))
         verdict = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
         if "seed_curves" in result:  # the mean over seeds, for overlapped and blocking rounds
-            verdict += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds);"
-                        " overlapped rounds are the default.")
+            verdict += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds)."
+                        " Overlapped rounds become the default once they meet it.")
             for name, runs in result["seed_curves"].items():
                 reached_runs = [at(curve, final_samples) for curve in runs]
                 if not all(reached_runs):

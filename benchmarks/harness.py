@@ -36,6 +36,8 @@ class Process:
                  events: Optional[Path] = None, sample_cpu: bool = False,
                  echo: Optional[Callable[[str], None]] = None):
         self.log, self.events_path, self.echo = log, events, echo
+        if events is not None:  # a role appends to its events file: a run in the same folder before must not count
+            events.unlink(missing_ok=True)
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line arrived (time.time())
         self.exited_at: Optional[float] = None  # when the process exited (what it started may take longer)

@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="diloco: local steps per peer between outer rounds")
     swarm.add_argument("--overlap-rounds", action=argparse.BooleanOptionalAction, default=None,
                        help="diloco: run each outer round in the background while the peers take the next round's"
-                            " inner steps (default: on); --no-overlap-rounds stops training for every round")
+                            " inner steps; --no-overlap-rounds stops training for every round (default: the preset's,"
+                            " blocking)")
     swarm.add_argument("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate")
     swarm.add_argument("--outer-momentum", type=float, default=None,
                        help="diloco: the outer SGD's Nesterov momentum (0: plain SGD)")

@@ -27,6 +27,9 @@ from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_
 # Local steps of 32 samples per peer between rounds: 2 peers x 16 x 32 = 1,024 samples per round, about a second of
 # compute per peer here against a round's fixed cost (matchmaking and the progress records), ~2 s on loopback.
 DEMO_INNER_STEPS = 16
+# Overlapped rounds run beside the next H inner steps (about a second of this tiny model's compute): a round's
+# matchmaking window must end well within them, or each peer waits for it. Peers on one machine find each other at once.
+DEMO_MATCHMAKING_SECONDS = 0.5
 DDP_REFERENCE_STEPS = 100  # DDP's samples/s on the same cores at the peers' per-step batch, the swarm's reference
 OUR_LINES = re.compile(r"^(Run |To join|  python|Only loopback|Metrics|Joined run|Batch:|Starting at|swarm epoch|"
                        r"validation at|best checkpoint|Leaving|Saved|Left|error)")
@@ -111,7 +114,8 @@ def _start_dashboard(workdir: Path, preferred_port: int) -> Process:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python scripts/demo.py")
     parser.add_argument("--mode", choices=SWARM_MODES, default="diloco",
-                        help="diloco (default): rounds of --inner-steps local steps, the preset's schedule stretched to"
+                        help="diloco (default): rounds of --inner-steps local steps, each round overlapped with the"
+                             " next round's steps (--overlap-rounds), the preset's schedule stretched to"
                              " the same learning rate per sample seen; sync: the preset as it is, gradients averaged"
                              " every swarm epoch of 128 samples")
     parser.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
@@ -140,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     epoch_samples = (args.inner_steps * preset.batch_size * 2 if args.mode == "diloco"
                      else preset.swarm.target_batch_size)
     args.epochs = args.epochs or -(-schedule_samples // epoch_samples)
-    swarm_options = (["--mode", "diloco", "--inner-steps", str(args.inner_steps), *diloco_schedule_flags(preset, 2)]
-                     if args.mode == "diloco" else ["--mode", "sync"])
+    swarm_options = (["--mode", "diloco", "--overlap-rounds", "--matchmaking-time", str(DEMO_MATCHMAKING_SECONDS),
+                      "--inner-steps", str(args.inner_steps),
+                      *diloco_schedule_flags(preset, 2)] if args.mode == "diloco" else ["--mode", "sync"])
     logbook = ROOT / "logbook" if args.publish else Path(args.workdir) / "logbook"
     args.logbook = args.logbook or str(logbook / "demo.md")
     if args.record_dir is None:

@@ -16,7 +16,7 @@ from hivetrain.model import create_model, load_weights
 
 STOP_AT = 32  # rounds take about 2 s here: the late joiner, up within ~10 s, still trains several
 DIES_AT = 3  # the outer round in which peer d dies
-DILOCO = ("--preset", "demo", "--mode", "diloco", "--inner-steps", "8")
+DILOCO = ("--preset", "demo", "--mode", "diloco", "--overlap-rounds", "--inner-steps", "8")
 ROUND_LINE = re.compile(r"Outer round (\d+):? (.+)$")  # "N: averaged ...", "N: alone", "N could not be averaged ..."
 
 
@@ -82,8 +82,8 @@ def test_peers_train_in_rounds_and_hold_the_same_outer_parameters(diloco_run):
 
 
 def test_peers_train_while_their_rounds_are_in_flight(diloco_run):
-    """Rounds overlap by default: each landed round counts the inner steps its peer took while it ran, and the peer
-    published its waits for rounds apart from the rounds' time in the background."""
+    """Overlapped rounds: each landed round counts the inner steps its peer took while it ran, and the peer published
+    its waits for rounds apart from the rounds' time in the background."""
     tmp = diloco_run[0]
     for name in ("a", "b"):
         events = [json.loads(line) for line in (tmp / f"{name}.events").read_text().splitlines()]
