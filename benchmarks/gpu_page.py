@@ -246,10 +246,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         " the card's measured bf16 matrix rate.",
         "",
     ]
-    logs = [name for run in swarm["variants"] for name in run.get("logs", [])]
-    if logs:
-        lines += ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""]
-    return lines
+    return lines + _logs_lines(swarm["variants"], artifacts, link)
 
 
 def _modes_section(swarm: dict, artifacts: Path, link) -> list[str]:
@@ -272,10 +269,13 @@ def _modes_section(swarm: dict, artifacts: Path, link) -> list[str]:
         " while both trained.",
         "",
     ]
-    logs = [name for run in swarm["modes"] for name in run.get("logs", [])]
-    if logs:
-        lines += ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""]
-    return lines
+    return lines + _logs_lines(swarm["modes"], artifacts, link)
+
+
+def _logs_lines(runs: list[dict], artifacts: Path, link) -> list[str]:
+    """A line linking the roles' logs of every swarm run, when any were kept."""
+    logs = [name for run in runs for name in run.get("logs", [])]
+    return ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""] if logs else []
 
 
 def _runs(record: dict) -> list[tuple[str, dict]]:
