@@ -19,7 +19,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
-from hivetrain.diloco import OuterState, outer_state_prefix
+from hivetrain.outer_state import OuterState, outer_state_prefix
 from hivetrain.hivemind_internals import catch_up_schedule, named_for_rpc_as
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer

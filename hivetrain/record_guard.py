@@ -267,14 +267,14 @@ def run_key_rules(run_id: str) -> list[KeyRule]:
     rules = [KeyRule(RUN_KEY, "signed", _RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
              KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
-    # hivetrain.diloco.outer_state_prefix, not imported (a joiner imports the training stack in another thread while
+    # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread while
     # this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two agree.
     # HiveTrain's averagers start without group bits (hivetrain.swarm.group_matchmaking), and hivemind adds bits only to
     # a key that has some: with or without a group size cap, an averager's matchmaking key is `<prefix>.0b`, but for
     # the rounds of a robust diloco run.
     for prefix in (f"{run_id}_grad_averager", f"{run_id}_state_averager", f"{run_id}_outer"):
         rules += [KeyRule(f"{prefix}.all_averagers", "state_sharing"), KeyRule(f"{prefix}.0b", "matchmaking")]
-    # A robust diloco run's rounds match under the round's last two bits (hivetrain.diloco.OuterState._outer_step).
+    # A robust diloco run's rounds match under the round's last two bits (hivetrain.outer_state.OuterState._outer_step).
     rules += [KeyRule(f"{run_id}_outer.0b{bits:02b}", "matchmaking") for bits in range(4)]
     return rules
 

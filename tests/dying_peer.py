@@ -9,7 +9,7 @@ import time
 
 from hivemind.averaging.control import AveragingStage
 
-from hivetrain.diloco import OuterState
+from hivetrain.outer_state import OuterState
 from peers import join
 
 die_at = int(sys.argv[1])

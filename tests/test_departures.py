@@ -10,7 +10,7 @@ from hivemind.utils import get_dht_time
 
 from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.diloco import outer_state_prefix
+from hivetrain.outer_state import outer_state_prefix
 from hivetrain.swarm import RECORD_LIFETIME
 from hivetrain.telemetry import PEER_RECORD_TTL, metrics_key
 

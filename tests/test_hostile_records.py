@@ -26,7 +26,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.diloco import RoundTracker, outer_state_prefix
+from hivetrain.diloco import RoundTracker
+from hivetrain.outer_state import outer_state_prefix
 from hivetrain.record_guard import RateLimitedWarnings, VettedProgressTracker, guard_run_keys, vetted
 from hivetrain.strategy import SwarmOptimizer
 from hivetrain.swarm import RUN_KEY, fetch_run_config, publish_run_config, read_records

@@ -162,7 +162,7 @@ def test_sorting_the_copies_matches_torch_sort_and_moves_the_weights_along(count
 def test_a_robust_diloco_round_groups_only_peers_of_the_same_round(four_dhts):
     """Three outer states at round 5 and one still at round 4: the three average together, the one behind finds no
     group (its honest but stale copy would have widened the spread an attacker's copy may move the result by)."""
-    from hivetrain.diloco import OuterState
+    from hivetrain.outer_state import OuterState
 
     prefix = f"robust_rounds_{next(_prefixes)}"
     states = [OuterState([torch.full((1000,), float(i))], dht, prefix, outer_lr=1.0, outer_momentum=0.0,

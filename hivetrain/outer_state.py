@@ -1,0 +1,179 @@
+"""The swarm's outer state in DiLoCo rounds: the outer parameters and momentum every peer holds, one round's outer step
+on a peer's pseudo-gradient, and their averaging and serving through hivemind's DecentralizedAverager (the robust part
+reducer included). hivetrain.diloco decides when a round runs; this module is what a round does."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+
+from hivetrain.hivemind_internals import RobustAveraging
+from hivetrain.swarm import keeping_sigint
+
+logger = logging.getLogger(__name__)
+
+
+def outer_state_prefix(run_id: str) -> str:
+    """The averager's DHT prefix: its groups and the declarations of who serves the outer state."""
+    return f"{run_id}_outer"
+
+
+class OuterState(RobustAveraging, DecentralizedAverager):
+    """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
+
+    A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
+    this peer's own pseudo-gradient g, then averages the resulting outer parameters with the group, weighted by
+    samples, and recovers the averaged pseudo-gradient from them to update the momentum:
+
+        anchor = p - lr m^2 buf;  p_i = anchor - lr (1 + m) g_i;  p = weighted mean of p_i
+        mean g = (anchor - p) / (lr (1 + m));  buf = m buf + mean g
+
+    When the peers start from the same (p, buf) this is exactly the outer step on the weighted mean pseudo-gradient,
+    as DiLoCo defines it, and only the parameters travel. Averaging parameters rather than pseudo-gradients buys what
+    a volunteer swarm needs: peers whose parameters went apart (a round that failed part-way, a peer that stepped
+    alone) share them again after their next round together (and a difference in momentum shrinks by m / (1 + m)
+    each round), instead of drifting for good. The parameters being close across peers, the all-reduce's own value
+    plus delta-to-the-average also rounds to the same float on every peer far more often than a pseudo-gradient's.
+
+    Joiners download (round, parameters + momentum). `outer_optimizer` holds the momentum buffers and the
+    hyperparameters in torch's SGD form, which is what checkpoints store."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
+                 outer_momentum: float, compression: CompressionBase = NoCompression(),
+                 state_compression: CompressionBase = NoCompression(), **kwargs):
+        self.outer_parameters = [p.detach().to("cpu", torch.float32, copy=True) for p in parameters]
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.outer_optimizer = torch.optim.SGD(self.outer_parameters, lr=outer_lr, momentum=outer_momentum,
+                                               nesterov=outer_momentum > 0)
+        self.momentum = [torch.zeros_like(p) for p in self.outer_parameters] if outer_momentum > 0 else []
+        for param, buffer in zip(self.outer_parameters, self.momentum):
+            self.outer_optimizer.state[param]["momentum_buffer"] = buffer
+        self.round = 0
+        self.last_pseudo_gradient_norm: Optional[float] = None  # this peer's own, in its last round
+        self.last_group_size = 0  # peers in its last round, itself included
+        self.last_groupmates: list[bytes] = []  # the others of its last round (peer IDs): see DiLoCoRounds.shutdown
+        self.states_served = 0  # state downloads this peer has answered (benchmarks.scale: where joiners go)
+        self.compression = compression
+        # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
+        # peer's alone, and a joiner must not download it.
+        self.round_lock = threading.Lock()
+        # The averaged tensors are the outer parameters themselves (hivemind moves them to shared memory in place).
+        with keeping_sigint():
+            super().__init__(averaged_tensors=self.outer_parameters, dht=dht, prefix=prefix, compression=compression,
+                             state_compression=state_compression, start=True, **kwargs)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [*self.outer_parameters, *self.momentum]
+
+    def get_current_state(self):
+        # hivemind asks the host process for the state once per download it answers (rpc_download_state)
+        with self.round_lock, self.get_tensors():  # a copy: the state may change while it is sent
+            self.states_served += 1
+            return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
+
+    def set_state(self, round_: int, tensors: Sequence[torch.Tensor]) -> bool:
+        """Take a state (from a peer or a checkpoint) after checking it: a round number, one tensor of the right shape
+        per parameter and momentum buffer, finite values. Anything else is skipped with a warning; True when taken."""
+        mine = self._state_tensors()
+        if (not isinstance(round_, int) or round_ < 0 or len(tensors) != len(mine)
+                or any(not isinstance(t, torch.Tensor) or t.shape != m.shape for t, m in zip(tensors, mine))
+                or not all(torch.isfinite(t).all() for t in tensors)):
+            logger.warning("Skipping a malformed outer state")
+            return False
+        with self.get_tensors(), torch.no_grad():
+            for m, t in zip(mine, tensors):
+                m.copy_(t)
+            self.round = round_
+        return True
+
+    def load_from_peers(self, timeout: Optional[float] = None) -> bool:
+        """Take the newest outer state another peer serves; True when one was loaded."""
+        try:
+            loaded = self.load_state_from_peers(timeout=timeout)
+        except Exception as e:  # a peer that vanished mid-download, a timeout
+            logger.warning(f"Could not download the swarm's outer state: {type(e).__name__}: {e}")
+            return False
+        if loaded is None:
+            return False
+        metadata, tensors = loaded
+        return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
+
+    def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
+                   after_own_step: Optional[Callable[[], None]] = None) -> Optional[bool]:
+        """One round: the outer step on this peer's pseudo-gradient (outer minus local parameters), then, unless
+        `timeout` is None (alone), the outer parameters averaged with the group, weighted by `weight`. Returns True
+        when averaged with others, False when alone, None when averaging failed (the peer keeps its own step).
+
+        Args:
+            local_parameters: this peer's parameters after its inner steps (any device and dtype).
+            weight: the samples behind them.
+            timeout: seconds to find a group; None: no others, the step is this peer's alone.
+            after_own_step: called once the outer parameters hold this peer's own outer step, before the group
+                averages them (an overlapped round applies that step to the inner steps at once: RoundInFlight).
+        """
+        with self.round_lock:
+            return self._outer_step(local_parameters, weight, timeout, after_own_step)
+
+    def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
+                    after_own_step: Optional[Callable[[], None]]) -> Optional[bool]:
+        lr, m = self.outer_lr, self.outer_momentum
+        with self.get_tensors(), torch.no_grad():
+            anchors, squares = [], 0.0
+            for index, (outer, local) in enumerate(zip(self.outer_parameters, local_parameters)):
+                pseudo_gradient = outer - local.detach().to("cpu", torch.float32)
+                squares += float(torch.linalg.vector_norm(pseudo_gradient)) ** 2
+                anchor = outer.sub(self.momentum[index], alpha=lr * m * m) if m else outer.clone()
+                outer.copy_(anchor).sub_(pseudo_gradient, alpha=lr * (1 + m))
+                anchors.append(anchor)
+        self.last_pseudo_gradient_norm, self.last_group_size, self.last_groupmates = squares ** 0.5, 1, []
+        started_round, self.round = self.round, self.round + 1
+        if after_own_step is not None:
+            after_own_step()
+        averaged = False
+        if timeout is not None:
+            if self.aggregation is not None:
+                # A robust aggregate outvotes an attacker only while the honest copies agree. A groupmate from an
+                # earlier round is honest but far from the others: in a group of three with it, the attacker's copy
+                # moved the result that far (tests/test_attacks.py saw two honest peers end at 29% top-1). Robust runs
+                # group only peers of the same round (its last two bits in the group key); a peer that fell behind
+                # finds no group, takes its own step, and loads the swarm's state at its next look.
+                self.set_group_bits(f"{started_round % 4:02b}")
+            try:
+                # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
+                # progress, and a slow peer after its current step.
+                gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
+            except Exception as e:  # no group, a groupmate that vanished mid-round
+                logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
+                gathered = None
+            if gathered is not None:
+                # Groupmates that came from a later round bring this peer's round number up with their parameters.
+                self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
+                averaged, self.last_group_size = len(gathered) > 1, len(gathered)
+                self.last_groupmates = [peer.to_bytes() for peer in gathered if peer != self.peer_id]
+        with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
+            for outer, anchor, buffer in zip(self.outer_parameters, anchors, self.momentum):
+                buffer.mul_(m).add_(anchor.sub_(outer), alpha=1 / (lr * (1 + m)))
+        if timeout is not None and gathered is None:
+            return None
+        return averaged
+
+    @property
+    def last_round_bytes(self) -> int:
+        """What this peer sent in its last round, estimated: hivemind's butterfly all-reduce in a group of n sends
+        (n - 1) / n of the averaged tensors to the other reducers, and as much again of averaged results back."""
+        n = self.last_group_size
+        per_value = 2 if isinstance(self.compression, Float16Compression) else 1 if isinstance(
+            self.compression, Uniform8BitQuantization) else 4
+        values = sum(p.numel() for p in self.outer_parameters)
+        return int(2 * (n - 1) / n * values * per_value) if n else 0
+
+    def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
+        with self.get_tensors(), torch.no_grad():
+            for local, outer in zip(local_parameters, self.outer_parameters):
+                local.copy_(outer)
