@@ -11,8 +11,8 @@ and ATTACK@R (scale:1000@3) plays honest in its first R rounds (diloco: until ou
 has a good state to lose.
 
 In diloco mode the pseudo-gradient g = outer - local is replaced by attack(g) before the outer step, so the outer
-parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.outer_state.OuterState computes them. In sync mode
-the gradients it loads into hivemind's gradient averager are replaced. Each replaced round prints one line
+parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.outer_state.OuterState computes them. In sync
+mode the gradients it loads into hivemind's gradient averager are replaced. Each replaced round prints one line
 ("Attack: ..."), so that a test can tell that the attacker took part.
 """
 

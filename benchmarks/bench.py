@@ -428,7 +428,8 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
                                        *diloco_schedule_flags(config, peers=2)], ["--seed", f"{10 * seed}{{index}}"],
                       timeout=900, until=lambda: validated_epoch(work / label / "metrics.sqlite") >= rounds)
             with MetricsReader(work / label / "metrics.sqlite") as store:
-                seeds.setdefault(name, []).append([(row.epoch * round_samples, row.top1) for row in store.validations()])
+                seeds.setdefault(name, []).append([(row.epoch * round_samples, row.top1)
+                                                   for row in store.validations()])
         curves[name] = seeds[name][0]
     # The same in groups: more peers, each still taking H steps per round, and the schedule stretched for them, so the
     # learning rate is again the others' at the same samples seen. The coordinator validates one peer's parameters.
@@ -670,7 +671,8 @@ def _communication_section(result: dict, env: dict, out: Path) -> str:
     )
 
 
-CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-grouped")  # the curves validated by a coordinator, in table order
+# the curves validated by a coordinator, in table order
+CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-grouped")
 
 
 def _convergence_section(result: dict, env: dict, out: Path) -> str:
@@ -721,11 +723,13 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                     verdict += f" {name}: **Not met** (a run was not validated by then)."
                     continue
                 mean = sum(map(float, reached_runs)) / len(runs)
-                verdict += f" {name}: " + _verdict(final_ddp - mean <= 0.01, f"DDP {final_ddp:.3f}, {name} mean"
-                                                   f" {mean:.3f} ({', '.join(reached_runs)}) at {final_samples} samples")
+                what = (f"DDP {final_ddp:.3f}, {name} mean {mean:.3f} ({', '.join(reached_runs)}) at {final_samples}"
+                        " samples")
+                verdict += f" {name}: " + _verdict(final_ddp - mean <= 0.01, what)
         else:
-            verdict += ". " + (_verdict(gap <= 0.01, f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples")
-                               if gap is not None else "**Not met** (diloco was not validated by then).")
+            what = f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples"
+            verdict += ". " + (_verdict(gap <= 0.01, what) if gap is not None
+                               else "**Not met** (diloco was not validated by then).")
     else:
         verdict = ""
     if "diloco-grouped" in curves:

@@ -240,7 +240,8 @@ class ImageDataModule(L.LightningDataModule):
             else:
                 self.prepare_data()  # no-op when the folder exists; lets callers skip the Lightning hook order
                 (train, val), native = load_cifar_split(self.data_dir), 32
-            self.train_set = ImageTensors(*train, _transform(dataset, native, img_size, augment, self.device_transforms))
+            self.train_set = ImageTensors(*train,
+                                          _transform(dataset, native, img_size, augment, self.device_transforms))
             val_set = ImageTensors(*val, _transform(dataset, native, img_size, False, self.device_transforms))
         if self.val_limit is not None:  # the first N, so every peer evaluates on the same samples
             val_set = Subset(val_set, range(min(self.val_limit, len(val_set))))  # type: ignore[arg-type]

@@ -267,8 +267,9 @@ def run_key_rules(run_id: str) -> list[KeyRule]:
     rules = [KeyRule(RUN_KEY, "signed", _RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
              KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
-    # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread while
-    # this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two agree.
+    # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread
+    # while this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two
+    # agree.
     # HiveTrain's averagers start without group bits (hivetrain.swarm.group_matchmaking), and hivemind adds bits only to
     # a key that has some: with or without a group size cap, an averager's matchmaking key is `<prefix>.0b`, but for
     # the rounds of a robust diloco run.

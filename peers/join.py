@@ -28,8 +28,8 @@ from pathlib import Path
 # Set by rank 0 of a peer on several devices before Lightning launches the other ranks (they inherit its environment):
 # the run's configuration and the peer's data seed, as JSON.
 RANK_SETUP_ENV = "HIVETRAIN_PEER_RANK_SETUP"
-OTHER_RANKS_EXIT_TIMEOUT = 60.0
-GPU_LOADER_WORKERS = 2  # DataLoader processes of a peer on a GPU: prefetch while the card computes  # seconds rank 0 waits for the other ranks to finish after training
+OTHER_RANKS_EXIT_TIMEOUT = 60.0  # seconds rank 0 waits for the other ranks to finish after training
+GPU_LOADER_WORKERS = 2  # DataLoader processes of a peer on a GPU: prefetch while the card computes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
