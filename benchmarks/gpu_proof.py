@@ -314,10 +314,12 @@ def describe_environment(commit: Optional[str]) -> dict:
         hivemind = version("hivemind")
     except Exception:  # PackageNotFoundError, or a broken install: the page says "not installed"
         hivemind = None
+    # cuDNN's version initialises CUDA: on a machine without a driver there is none to name
+    cudnn = str(torch.backends.cudnn.version()) if torch.cuda.is_available() else None
     return dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit or git_commit(),
         host=platform.node(), cpu=cpu_name(), python=platform.python_version(), torch=torch.__version__,
-        cuda=torch.version.cuda, cudnn=str(torch.backends.cudnn.version()), hivemind=hivemind, driver=driver,
+        cuda=torch.version.cuda, cudnn=cudnn, hivemind=hivemind, driver=driver,
         gpus=gpus, cuda_device_count=torch.cuda.device_count(),
     )
 

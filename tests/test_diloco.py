@@ -43,11 +43,12 @@ def _rounds(dht, model, inner_steps: int, batch: int, outer_lr: float, outer_mom
                         next_chunk_timeout=5.0, load_state_timeout=20.0, private_key=RSAPrivateKey())
 
 
-def _report_and_wait_until_seen(peer: DiLoCoRounds, epoch: int) -> None:
-    """`peer` reports `epoch` as its round, and the DHT holds that record."""
+def _report_and_wait_until_seen(peer: DiLoCoRounds, epoch: int, reader: DiLoCoRounds) -> None:
+    """`peer` reports `epoch` as its round, and `reader` reads that record from the DHT (its own node may still hold
+    the record before: the writer's node is not the one that matters)."""
     peer.tracker.report_local_progress(epoch, 0)
     deadline = time.monotonic() + 30
-    while {r.epoch for r in read_records(peer.outer.dht, peer.tracker.training_progress_key, LocalTrainingProgress)
+    while {r.epoch for r in read_records(reader.outer.dht, peer.tracker.training_progress_key, LocalTrainingProgress)
            if r.peer_id == peer.outer.peer_id.to_bytes()} != {epoch}:
         assert time.monotonic() < deadline, f"the record of epoch {epoch} never showed"
         time.sleep(0.1)
@@ -138,12 +139,12 @@ def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradi
         # while the other still reports the round before, it waits; as soon as the other reports the next, it stops.
         leaver, other = rounds
         assert leaver.outer.last_groupmates == [other.outer.peer_id.to_bytes()]
-        _report_and_wait_until_seen(other, epoch=0)
+        _report_and_wait_until_seen(other, epoch=0, reader=leaver)
         waiter = threading.Thread(target=leaver.wait_for_last_groupmates, kwargs=dict(timeout=120))
         waiter.start()
         waiter.join(timeout=2)
         assert waiter.is_alive()
-        _report_and_wait_until_seen(other, epoch=1)
+        _report_and_wait_until_seen(other, epoch=1, reader=leaver)
         waiter.join(timeout=30)
         assert not waiter.is_alive()
     finally:
