@@ -20,7 +20,7 @@ from hivetrain.config import RunConfig
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
 from hivetrain.rollback import ROUNDS_AHEAD, RollbackRecord
-from hivetrain.telemetry import read_peer_records, read_swarm_progress
+from hivetrain.telemetry import bounded_sum, finite_or_none, read_peer_records, read_swarm_progress
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class SwarmMonitor:
         # What the peers really train per wall-clock second, rounds and state downloads included: each peer's record
         # counts its samples between two records over the time between them. (hivemind's progress records carry a
         # compute-only rate that leaves the rounds out: on the sync demo about 20 times what the peers trained.)
-        samples_per_second = sum(r.samples_per_second for r in records)
+        samples_per_second = bounded_sum(r.samples_per_second for r in records)
         swarm = self.config.swarm
         # diloco: a round is due after H steps of the run's batch per peer (hivetrain.diloco.RoundTracker)
         target = (swarm.inner_steps * self.config.batch_size * max(1, progress.peers) if swarm.mode == "diloco"
@@ -72,7 +72,7 @@ class SwarmMonitor:
             samples_per_second=samples_per_second,
             samples_accumulated=progress.samples_accumulated,
             target_batch_size=target,
-            eta_seconds=remaining / samples_per_second if samples_per_second > 0 else None,
+            eta_seconds=finite_or_none(remaining / samples_per_second) if samples_per_second > 0 else None,
             mean_loss=mean(losses) if losses else None,
         )
         self.writer.add_snapshot(snapshot)

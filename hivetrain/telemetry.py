@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
@@ -20,7 +21,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint
 
-from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys
+from hivetrain.record_guard import INT64_MAX, KeyRule, add_validators_once, guard_keys
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_records
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,19 @@ def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
     return ProgressSummary(
         epoch=epoch,
         peers=len(records),
-        samples_accumulated=sum(r.samples_accumulated for r in records if r.epoch == epoch),
+        samples_accumulated=bounded_sum(r.samples_accumulated for r in records if r.epoch == epoch),
     )
+
+
+def bounded_sum(values: Iterable[float]) -> float:
+    """A sum over peers' records that stays storable whatever the records say: integers saturate at SQLite's largest
+    (each record is checked to fit, their sum is not: two records of 2**63 - 1 made the metrics store raise
+    OverflowError, and the coordinator died on it at every restart while the records lived), floats at the largest
+    finite one (a sum of finite rates can overflow to inf)."""
+    values = list(values)
+    if all(isinstance(value, int) for value in values):
+        return max(-INT64_MAX, min(INT64_MAX, sum(values)))
+    return max(-sys.float_info.max, min(sys.float_info.max, sum(values)))
 
 
 def finite_or_none(value: Optional[float]) -> Optional[float]:

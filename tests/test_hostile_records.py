@@ -8,7 +8,9 @@ signature check); it signs an entry only where the shape needs one, with its own
 import dataclasses
 import gc
 import logging
+import math
 import os
+import sys
 import re
 import time
 from collections import Counter
@@ -25,10 +27,12 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import start_coordinator
+from coordinator.monitor import SwarmMonitor
 from hivetrain.config import get_preset
 from hivetrain.diloco import RoundTracker
+from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.outer_state import outer_state_prefix
-from hivetrain.record_guard import RateLimitedWarnings, VettedProgressTracker, guard_run_keys, vetted
+from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, guard_run_keys, vetted
 from hivetrain.strategy import SwarmOptimizer
 from hivetrain.swarm import RUN_KEY, fetch_run_config, publish_run_config, read_records
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record, read_peer_records, \
@@ -361,3 +365,34 @@ def test_the_coordinator_and_a_joiner_outlast_every_shape(tmp_path, spawn, clean
                                "a plain value where per-peer entries belong")}
     assert expected <= set(warned), sorted(expected - set(warned))
     assert not any("Traceback" in line for line in coordinator.lines), coordinator.lines
+
+
+def test_the_monitor_stores_the_largest_records_the_schema_allows(tmp_path, cleanup):
+    """Two volunteers' records at the schema's bounds (every integer 2**63 - 1, every rate the largest finite float):
+    each fits the metrics store, their sums did not, and the coordinator's monitor raised OverflowError at every look
+    (and at every restart while the records lived). Its sums saturate, and it stores what it saw."""
+    run_id = "hostile-bounds"
+    honest = HonestPeer(run_id)
+    cleanup.append(honest.dht)
+    keys = [RSAPrivateKey(), RSAPrivateKey()]
+    attacker = hivemind.DHT(initial_peers=honest.addresses, host_maddrs=LOOPBACK, start=True,
+                            record_validators=[HostileSigner({owner_subkey(key): key for key in keys})])
+    cleanup.append(attacker)
+    most, fastest, now = INT64_MAX, sys.float_info.max, get_dht_time()
+    for index, key in enumerate(keys):
+        peer = PeerRecord(peer_id=f"QmLargest{index}", name="largest", hardware="?", client_mode=False, epoch=most,
+                          samples_per_second=fastest, loss=fastest, samples=most, time=time.time(), inner_steps=most,
+                          pseudo_gradient_norm=fastest, round_bytes=most, train_seconds=fastest, swarm_seconds=fastest,
+                          rounds_averaged=most, rounds_alone=most, rounds_failed=most)
+        progress = LocalTrainingProgress(peer_id=fake_peer_id(), epoch=most, samples_accumulated=most,
+                                         samples_per_second=fastest, time=now, client_mode=False)
+        attack(attacker, [(metrics_key(run_id), owner_subkey(key), peer.dict(), now + 60),
+                          (progress_key(run_id), owner_subkey(key), progress.dict(), now + 60)])
+
+    with MetricsWriter(tmp_path / "metrics.db") as writer:
+        snapshot = SwarmMonitor(honest.dht, honest.config, writer).refresh()
+    assert (snapshot.epoch, snapshot.samples_accumulated, snapshot.samples_per_second) == (most, most, fastest)
+    assert snapshot.alive_peers == 3 and snapshot.mean_loss is not None and math.isfinite(snapshot.mean_loss)
+    with MetricsReader(tmp_path / "metrics.db") as reader:
+        assert reader.snapshots()[-1].samples_accumulated == most
+        assert sorted(row.name for row in reader.peers()) == ["honest", "largest", "largest"]
