@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -21,6 +22,12 @@ from hivetrain.hivemind_internals import dial
 
 DIAL_BACK = "hivetrain.dial_back"
 DIAL_TIMEOUT = 10.0  # seconds the coordinator tries to dial a peer back
+REQUEST_TIMEOUT = 5.0  # seconds an asker has to send its request
+CHECK_INTERVAL = 10.0  # seconds before the same caller is dialled back again
+MAX_DIALS_AT_ONCE = 4
+MAX_QUEUED = 2 * MAX_DIALS_AT_ONCE  # checks dialling or waiting: at most two dials long (an asker waits 25 s)
+MAX_ADDRESSES = 8  # a peer's visible addresses: a few per interface
+MAX_CALLERS_REMEMBERED = 1024
 
 
 @dataclass
@@ -29,35 +36,68 @@ class Reachability:
     detail: str  # what was dialled, or why nothing could be asked
 
 
-async def serve_dial_back(dht, node) -> None:
-    """Run inside the coordinator's DHT process (DHT.run_coroutine): answer dial-back requests on its libp2p host."""
+class DialBackService:
+    """The coordinator's side. Anyone who reaches its port may ask, so a check must cost the asker more than it costs
+    the coordinator (24 concurrent requests once left 25 p2pd processes under it):
 
-    async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    - each caller is dialled back at most once per CHECK_INTERVAL, and only the caller itself;
+    - at most MAX_DIALS_AT_ONCE probes (a p2pd process each) run at once, and at most MAX_QUEUED checks wait;
+    - the answer is reachable or not, never the dial's error, which told an asker what listens at any address the
+      coordinator can reach."""
+
+    def __init__(self):
+        self.dials = asyncio.Semaphore(MAX_DIALS_AT_ONCE)
+        self.queued = 0  # checks waiting for a probe: a coroutine each, no process
+        self.last_check: dict[PeerID, float] = {}
+
+    async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = json.loads(await reader.readline())
-            peer_id = PeerID.from_base58(request["peer_id"])
+            request = json.loads(await asyncio.wait_for(reader.readline(), REQUEST_TIMEOUT))
             # p2pd wants bare transport addresses: the peer ID travels separately
-            maddrs = [Multiaddr(m.split("/p2p/")[0]) for m in request["maddrs"]][:16]
-            answer = await _dial(peer_id, maddrs)
+            maddrs = [Multiaddr(m.split("/p2p/")[0]) for m in request["maddrs"][:MAX_ADDRESSES]]
         except Exception as e:  # a malformed request gets an answer too, never a crash
             answer = dict(reachable=None, error=f"bad request: {type(e).__name__}")
+        else:
+            answer = self._refusal(stream_info.peer_id) or await self._check(stream_info.peer_id, maddrs)
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
         writer.close()
 
-    await node.p2p.add_binary_stream_handler(DIAL_BACK, handle)
+    def _refusal(self, caller: PeerID) -> Optional[dict]:
+        now = time.monotonic()
+        if now - self.last_check.get(caller, -CHECK_INTERVAL) < CHECK_INTERVAL:
+            return dict(reachable=None, error=f"checked less than {CHECK_INTERVAL:g} s ago")
+        if self.queued >= MAX_QUEUED:
+            return dict(reachable=None, error="busy with other checks")
+        if len(self.last_check) > MAX_CALLERS_REMEMBERED:
+            self.last_check = {peer: at for peer, at in self.last_check.items() if now - at < CHECK_INTERVAL}
+        self.last_check[caller] = now
+        return None
+
+    async def _check(self, caller: PeerID, maddrs: list[Multiaddr]) -> dict:
+        self.queued += 1
+        try:
+            async with self.dials:  # joiners that start together wait their turn, a second or so each
+                return dict(reachable=await _dial(caller, maddrs))
+        finally:
+            self.queued -= 1
 
 
-async def _dial(peer_id: PeerID, maddrs: list[Multiaddr]) -> dict:
+async def serve_dial_back(dht, node) -> None:
+    """Run inside the coordinator's DHT process (DHT.run_coroutine): answer dial-back requests on its libp2p host."""
+    await node.p2p.add_binary_stream_handler(DIAL_BACK, DialBackService().handle)
+
+
+async def _dial(peer_id: PeerID, maddrs: list[Multiaddr]) -> bool:
     # A fresh host for every check. When the given addresses fail, libp2p looks the peer up in its own DHT: a host
     # that dialled earlier peers knows the coordinator through them, and the coordinator knows this peer's real
     # address. A reused host once answered "reachable" for an address nobody listens on.
     probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])  # dials out only
     try:
         await asyncio.wait_for(dial(probe, peer_id, maddrs), DIAL_TIMEOUT)
-        return dict(reachable=True)
-    except Exception as e:  # refused, timed out, wrong peer behind the address: not reachable
-        return dict(reachable=False, error=" ".join(f"{type(e).__name__}: {e}".split())[:300])
+        return True
+    except Exception:  # refused, timed out, wrong peer behind the address: not reachable
+        return False
     finally:
         await probe.shutdown()
 
@@ -87,8 +127,7 @@ async def _ask(initial_peers: Sequence[str], host_maddrs: Sequence[str], announc
                 continue
             if answer["reachable"]:
                 return Reachability(True, f"the coordinator dialled this peer back at {', '.join(maddrs)}")
-            return Reachability(False, f"the coordinator could not dial this peer back at {', '.join(maddrs)}"
-                                       f" ({answer.get('error', 'no detail')})")
+            return Reachability(False, f"the coordinator could not dial this peer back at {', '.join(maddrs)}")
         return Reachability(None, "no initial peer answered the dial-back check (" + "; ".join(problems) + ")")
     finally:
         await probe.shutdown()
