@@ -120,6 +120,17 @@ def parse_entry(schema: type[BaseModel], value: Any) -> tuple[Optional[BaseModel
     return record, None
 
 
+def owner_subkey_problem(subkey: Any) -> Optional[tuple[str, str]]:
+    """Why `subkey` is not a signed entry's, as (reason, detail), or None. A signed entry's subkey is its owner's key and
+    nothing else: hivemind signs any subkey that holds the key, so one key could keep any number of entries (each a
+    peer to count, a row in the store) by varying what follows it."""
+    if not isinstance(subkey, bytes) or not SIGNED_SUBKEY_RE.search(subkey):
+        return "unsigned", "its subkey names no owner key"
+    if not SIGNED_SUBKEY_RE.fullmatch(subkey):
+        return "malformed", "its subkey holds more than its owner key (one entry per key)"
+    return None
+
+
 def _expiration_problem(expiration_time: float, now: float) -> Optional[str]:
     if expiration_time > now + FAR_FUTURE:
         return f"expires in {(expiration_time - now) / 86400:.1f} days"
@@ -145,8 +156,8 @@ def usable_entries(key: str, value: Any, schema: type[BaseModel]) -> list[tuple[
             continue
         if entry.value is None:
             continue
-        if not isinstance(subkey, bytes) or not SIGNED_SUBKEY_RE.search(subkey):
-            warn_skipped(key, "unsigned", "its subkey names no owner key")
+        if problem := owner_subkey_problem(subkey):
+            warn_skipped(key, *problem)
             continue
         if problem := _expiration_problem(entry.expiration_time, now):
             warn_skipped(key, "expires too far ahead", problem)
@@ -202,8 +213,8 @@ class KeyRule:
         return None if usable else ("malformed", f"a value of type {type(value).__name__}")
 
     def _signed_problem(self, record: DHTRecord, subkey: Any) -> Optional[tuple[str, str]]:
-        if not isinstance(subkey, bytes) or not SIGNED_SUBKEY_RE.search(subkey):
-            return "unsigned", "its subkey names no owner key"
+        if problem := owner_subkey_problem(subkey):
+            return problem
         try:
             signed = _SIGNATURE_CHECK.validate(record)
         except Exception:  # a public key that does not load

@@ -32,7 +32,8 @@ from hivetrain.config import get_preset
 from hivetrain.diloco import RoundTracker
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.outer_state import outer_state_prefix
-from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, guard_run_keys, vetted
+from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, guard_run_keys, \
+    usable_entries, vetted
 from hivetrain.strategy import SwarmOptimizer
 from hivetrain.swarm import RUN_KEY, fetch_run_config, publish_run_config, read_records
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record, read_peer_records, \
@@ -396,3 +397,31 @@ def test_the_monitor_stores_the_largest_records_the_schema_allows(tmp_path, clea
     with MetricsReader(tmp_path / "metrics.db") as reader:
         assert reader.snapshots()[-1].samples_accumulated == most
         assert sorted(row.name for row in reader.peers()) == ["honest", "largest", "largest"]
+
+
+def test_one_key_keeps_one_entry_per_key(caplog, cleanup):
+    """hivemind signs any subkey that holds its owner's key: one volunteer kept three progress and three metrics
+    entries under one key by varying what followed it, three peers to count (rounds due later, --min-peers met by
+    ghosts) and three rows in the store. A guarded node refuses them, and a reader skips them once with a warning."""
+    run_id = "hostile-one-key"
+    honest = HonestPeer(run_id)
+    cleanup.append(honest.dht)
+    attacker = start_attacker(honest.addresses, victim=b"")
+    cleanup.append(attacker)
+    reader = start_dht(honest.dht, attacker, validators=[RSASignatureValidator()])  # checks signatures, no guard
+    cleanup.append(reader)
+    now = get_dht_time()
+    stores = [(key, owner_subkey(ATTACKER_KEY) + suffix, well_formed(kind, run_id, ""), now + 30)
+              for key, kind in ((metrics_key(run_id), "metrics"), (progress_key(run_id), "progress"))
+              for suffix in (b"1", b"2", b"3")]
+    attack(attacker, stores)
+    # the guarded node refused them: what it holds under each key is the honest peer's entry alone
+    assert read_swarm_progress(honest.dht, run_id).peers == 1
+    assert [r.name for r in read_peer_records(honest.dht, run_id)] == ["honest"]
+    # the attacker's own node holds them: a reader that finds them there skips them, with one warning per key
+    caplog.set_level(logging.WARNING, logger=GUARD_LOGGER)
+    found = reader.get(progress_key(run_id), latest=True, return_future=True).result(timeout=30)
+    assert found is not None and sum(owner_subkey(ATTACKER_KEY) in subkey for subkey in found.value) == 3
+    usable = usable_entries(progress_key(run_id), found.value, LocalTrainingProgress)
+    assert not any(owner_subkey(ATTACKER_KEY) in subkey for subkey, _, _ in usable)
+    assert len([m for m in skip_warnings(caplog, progress_key(run_id)) if "one entry per key" in m]) == 1
