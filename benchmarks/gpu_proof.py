@@ -314,8 +314,12 @@ def describe_environment(commit: Optional[str]) -> dict:
         hivemind = version("hivemind")
     except Exception:  # PackageNotFoundError, or a broken install: the page says "not installed"
         hivemind = None
-    # cuDNN's version initialises CUDA: on a machine without a driver there is none to name
-    cudnn = str(torch.backends.cudnn.version()) if torch.cuda.is_available() else None
+    try:
+        cudnn = str(torch.backends.cudnn.version())
+    except (RuntimeError, AssertionError):
+        # its version check may initialise CUDA, which raises without a driver (torch.cuda.is_available() is no guard:
+        # once Lightning has set PYTORCH_NVML_BASED_CUDA_CHECK=1 in the process, it counts the devices torch reports)
+        cudnn = None
     return dict(
         date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit or git_commit(),
         host=platform.node(), cpu=cpu_name(), python=platform.python_version(), torch=torch.__version__,
