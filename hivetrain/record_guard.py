@@ -121,9 +121,9 @@ def parse_entry(schema: type[BaseModel], value: Any) -> tuple[Optional[BaseModel
 
 
 def owner_subkey_problem(subkey: Any) -> Optional[tuple[str, str]]:
-    """Why `subkey` is not a signed entry's, as (reason, detail), or None. A signed entry's subkey is its owner's key and
-    nothing else: hivemind signs any subkey that holds the key, so one key could keep any number of entries (each a
-    peer to count, a row in the store) by varying what follows it."""
+    """Why `subkey` is not a signed entry's, as (reason, detail), or None. A signed entry's subkey is its owner's key
+    and nothing else: hivemind signs any subkey that holds the key, so one key could keep any number of entries (each
+    a peer to count, a row in the store) by varying what follows it."""
     if not isinstance(subkey, bytes) or not SIGNED_SUBKEY_RE.search(subkey):
         return "unsigned", "its subkey names no owner key"
     if not SIGNED_SUBKEY_RE.fullmatch(subkey):
