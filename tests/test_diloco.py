@@ -18,6 +18,9 @@ from hivetrain.swarm import DHTOptions, read_records, start_dht
 
 CONFIG = get_preset("demo")
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+# hivemind's all-reduce averages a part without a sender that sends nothing for this long: under a busy suite a 5 s
+# wait dropped one peer's part of the bias (3 of 21 values off the formula by 0.006). The formula needs every part.
+NEXT_CHUNK_TIMEOUT = 30.0
 
 
 def _batch(seed: int, size: int):
@@ -40,7 +43,7 @@ def _flat(tensors) -> torch.Tensor:
 def _rounds(dht, model, inner_steps: int, batch: int, outer_lr: float, outer_momentum: float) -> DiLoCoRounds:
     return DiLoCoRounds(dht, "test_diloco", list(model.parameters()), inner_steps=inner_steps, batch_size=batch,
                         outer_lr=outer_lr, outer_momentum=outer_momentum, matchmaking_time=2.0, averaging_timeout=30.0,
-                        next_chunk_timeout=5.0, load_state_timeout=20.0, private_key=RSAPrivateKey())
+                        next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey())
 
 
 def _report_and_wait_until_seen(peer: DiLoCoRounds, epoch: int, reader: DiLoCoRounds) -> None:
@@ -192,7 +195,7 @@ def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_me
     models[1].load_state_dict(models[0].state_dict())
     rounds = [DiLoCoRounds(dht, "test_overlap", list(model.parameters()), inner_steps=4, batch_size=1,
                            outer_lr=lr, outer_momentum=momentum, matchmaking_time=2.0, averaging_timeout=30.0,
-                           next_chunk_timeout=5.0, load_state_timeout=20.0, private_key=RSAPrivateKey(), overlap=True)
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(), overlap=True)
               for dht, model in zip(dhts(2), models)]
     generator = torch.Generator().manual_seed(0)
 
