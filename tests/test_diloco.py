@@ -195,7 +195,8 @@ def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_me
     models[1].load_state_dict(models[0].state_dict())
     rounds = [DiLoCoRounds(dht, "test_overlap", list(model.parameters()), inner_steps=4, batch_size=1,
                            outer_lr=lr, outer_momentum=momentum, matchmaking_time=2.0, averaging_timeout=30.0,
-                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(), overlap=True)
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
+                           overlap=True)
               for dht, model in zip(dhts(2), models)]
     generator = torch.Generator().manual_seed(0)
 

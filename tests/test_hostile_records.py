@@ -10,8 +10,8 @@ import gc
 import logging
 import math
 import os
-import sys
 import re
+import sys
 import time
 from collections import Counter
 from functools import partial
