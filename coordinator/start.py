@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           " forwarding), e.g. /ip4/203.0.113.7/tcp/31337")
     net.add_argument("--identity", default=None, metavar="FILE",
                      help="private key file that keeps the peer ID stable (default:"
-                          " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start); the key that signs"
-                          " the run and rollback records is kept beside it (FILE with .records.key for .key)")
+                          " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start). It also signs the"
+                          " run and rollback records: the peer ID in the join command pins it, so keep it safe")
     net.add_argument("--require-token", action="store_true",
                      help="private run: only peers with a token from `issue-token` may join (see --authority-key)")
     net.add_argument("--authority-key", default=None, metavar="FILE",
@@ -262,7 +262,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
     from hivetrain.access import RunAuthorizer, issue_grant, load_key
-    from hivetrain.hivemind_internals import sign_records_with
+    from hivetrain.hivemind_internals import identity_key, sign_records_with
     from hivetrain.reachability import serve_dial_back
     from hivetrain.record_guard import guard_run_keys
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, one_line_per_event, start_dht
@@ -307,9 +307,9 @@ def _run(args: argparse.Namespace) -> int:
 
         identity = Path(args.identity or Path.home() / ".cache" / "hivetrain" / config.run_id / "coordinator.key")
         identity.parent.mkdir(parents=True, exist_ok=True)
-        # Peers trust the rollback records signed by the key that signed the run record they joined with: a restarted
-        # coordinator signs with the same key, kept beside its identity.
-        sign_records_with(load_key(identity.with_suffix(".records.key"), "record-signing key"))
+        # The run and rollback records are signed with the identity key: joiners believe only records signed by the
+        # key whose hash is the peer ID in their join command (hivetrain.run_record), across restarts too.
+        sign_records_with(identity_key(str(identity)))
         authorizer = None
         if args.require_token:  # the coordinator holds a grant of its own, like every peer of the run
             grant = issue_grant(load_key(authority_path(args.authority_key, config.run_id)), "coordinator",
@@ -364,7 +364,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from hivetrain.events import EventLog
     from hivetrain.metrics_store import RunInfo
     from hivetrain.rollback import RollbackRecord, publish_rollback
-    from hivetrain.swarm import RUN_RECORD_TTL, join_command, publish_run_config, raise_if_leaving, visible_addresses
+    from hivetrain.run_record import RUN_RECORD_TTL, publish_run_config
+    from hivetrain.swarm import join_command, raise_if_leaving, visible_addresses
     from hivetrain.wandb_run import WandbScalars, open_wandb_run
 
     addresses, loopback_only = visible_addresses(dht)

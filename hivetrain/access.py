@@ -80,8 +80,8 @@ def parse_lifetime(text: str) -> int:
 
 
 def load_key(path: Path, what: str = "authority key") -> RSAPrivateKey:
-    """The RSA key kept in `path` (the run's authority key, or the coordinator's record-signing key); created
-    (readable by its owner only) when the file does not exist yet."""
+    """The RSA key kept in `path` (the run's authority key); created (readable by its owner only) when the file does
+    not exist yet."""
     if path.exists():
         try:
             return rsa_key_from_der(path.read_bytes())

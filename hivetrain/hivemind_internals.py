@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import hivemind
 import torch
+from google.protobuf.message import DecodeError
 
 SUPPORTED_HIVEMIND_VERSIONS = ("1.1.12",)
 
@@ -45,6 +46,7 @@ from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker  # noqa: E402
 from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
 from hivemind.p2p import P2P, PeerID  # noqa: E402
+from hivemind.proto import crypto_pb2  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
 from hivemind.utils.asyncio import as_aiter, azip  # noqa: E402
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
@@ -163,6 +165,28 @@ def rsa_key_from_der(data: bytes) -> RSAPrivateKey:
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key._private_key = serialization.load_der_private_key(data, password=None)
     return key
+
+
+def identity_key(path: str) -> RSAPrivateKey:
+    """The RSA key of the peer identity file at `path` (hivemind's P2P keeps a libp2p PrivateKey protobuf there; the
+    peer ID is its public part's hash), created as P2P would when the file does not exist yet."""
+    if not os.path.exists(path):
+        P2P.generate_identity(path)
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        stored = crypto_pb2.PrivateKey.FromString(data)
+        if stored.key_type != crypto_pb2.KeyType.RSA:
+            raise ValueError
+        return rsa_key_from_der(stored.data)
+    except (DecodeError, ValueError):
+        raise ValueError(f"{path} is not a peer identity (a libp2p RSA private key, as hivemind writes them)") from None
+
+
+def write_identity(key: RSAPrivateKey, path: str) -> None:
+    """Keep `key` as a peer identity file at `path`, in the form identity_key reads and hivemind's P2P starts with."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400), "wb") as file:
+        file.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString())
 
 
 def sign_records_with(key: RSAPrivateKey) -> None:

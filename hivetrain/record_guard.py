@@ -272,10 +272,10 @@ def run_key_rules(run_id: str) -> list[KeyRule]:
     coordinator's rollback record, and the state-sharing declarations and matchmaking key of each of its averagers."""
     # Imported here: those modules import this one.
     from hivetrain.rollback import rollback_rules
-    from hivetrain.swarm import RUN_KEY, _RunRecord
+    from hivetrain.run_record import RUN_KEY, RunRecord
     from hivetrain.telemetry import PeerRecord, metrics_key, progress_key
 
-    rules = [KeyRule(RUN_KEY, "signed", _RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
+    rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
              KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
     # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread

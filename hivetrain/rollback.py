@@ -4,7 +4,7 @@ When the coordinator's validation sees top-1 fall far below the best, or a non-f
 checkpoint's state again (numbered a little ahead of the swarm, so that every peer takes it as the newest) and
 publishes a RollbackRecord under `<run_id>_rollback`, signed exactly as the run record is: an entry whose subkey is
 its writer's public key, signed with it (hivemind's RSASignatureValidator). A peer trusts only the key that signed the
-run record it joined with (hivetrain.swarm.fetch_run), acts once per sequence number, and skips, with one
+run record it joined with (hivetrain.run_record.fetch_run), acts once per sequence number, and skips, with one
 rate-limited warning each, an entry signed by another key, of another run, or naming a state it already holds.
 """
 
@@ -21,7 +21,8 @@ from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
 from hivetrain.record_guard import KeyRule, guard_keys, warn_skipped
-from hivetrain.swarm import DHT_READ_TIMEOUT, RUN_RECORD_TTL, read_signed_records
+from hivetrain.run_record import RUN_RECORD_TTL
+from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
 
 logger = logging.getLogger(__name__)
 

@@ -86,8 +86,8 @@ class HivemindOptions:
     clip_radius: float = SwarmConfig.clip_radius
     trim_fraction: float = SwarmConfig.trim_fraction
     target_group_size: Optional[int] = None  # G: average in groups of at most G peers (None: one group), either mode
-    # The subkey the run record was signed under (hivetrain.swarm.fetch_run): this peer goes back to the best validated
-    # state when a rollback record signed by it says so (hivetrain.rollback). None: no rollbacks.
+    # The subkey the run record was signed under (hivetrain.run_record.fetch_run): this peer goes back to the best
+    # validated state when a rollback record signed by it says so (hivetrain.rollback). None: no rollbacks.
     coordinator_key: Optional[bytes] = None
 
 

@@ -1,5 +1,5 @@
 """The swarm's plumbing shared by the coordinator and the peers: starting a DHT node with clear errors, the addresses
-others can dial, and the run's manifest published in the DHT."""
+others can dial, the join command, and reads of the signed records the roles publish."""
 
 from __future__ import annotations
 
@@ -20,22 +20,17 @@ from functools import partial
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import hivemind
-from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
-from pydantic.v1 import BaseModel, StrictFloat, StrictStr
+from pydantic.v1 import BaseModel
 
-from hivetrain.config import RunConfig
 from hivetrain.hivemind_internals import hivemind_log_handler, is_averager_cut_short, progress_subkey
-from hivetrain.record_guard import (KeyRule, add_validators_once, guard_keys, guard_run_keys, usable_entries,
-                                    warn_skipped)
+from hivetrain.record_guard import usable_entries
 
 logger = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "HIVETRAIN_INITIAL_PEERS"
-RUN_KEY = "hivetrain_run"  # one fixed key: a joiner knows only an address, not yet the run's id
-RUN_RECORD_TTL = 60.0  # seconds a published manifest lives unless the coordinator refreshes it
 DHT_READ_TIMEOUT = 10.0  # seconds a read of the DHT may take
 # Seconds a peer's records live in the DHT (its training progress, its offer to share state): one that dies without
 # a word stops counting this long after its last refresh. hivemind refreshes them at half their lifetime (its defaults,
@@ -373,100 +368,6 @@ def visible_addresses(dht: hivemind.DHT) -> tuple[list[str], bool]:
 
 def join_command(addresses: list[str], extra: str = "") -> str:
     return f"python peers/join.py --initial-peers {' '.join(shlex.quote(a) for a in addresses)}{extra}"
-
-
-class _RunRecord(BaseModel):
-    run_id: StrictStr
-    config: StrictStr  # RunConfig as JSON
-    fingerprint: StrictStr
-    coordinator: StrictStr  # the coordinator's peer ID (base58)
-    time: StrictFloat
-
-
-class _RunRecordSchema(BaseModel):
-    hivetrain_run: dict[BytesWithPublicKey, Optional[_RunRecord]]
-
-
-def publish_run_config(dht: hivemind.DHT, config: RunConfig, ttl: float = RUN_RECORD_TTL) -> bool:
-    """Store the manifest under the run key, signed with this process's key (only it can overwrite its entry)."""
-    _add_run_record_validators(dht)
-    record = _RunRecord(
-        run_id=config.run_id,
-        config=config.to_json(),
-        fingerprint=config.fingerprint,
-        coordinator=dht.peer_id.to_base58(),
-        time=time.time(),
-    )
-    return dht.store(
-        RUN_KEY,
-        subkey=RSASignatureValidator().local_public_key,
-        value=record.dict(),
-        expiration_time=get_dht_time() + ttl,
-    )
-
-
-def fetch_run_config(
-    dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: list[str] = (), timeout: float = 15.0
-) -> RunConfig:
-    """The newest manifest published in the swarm: the one of run `run_id` when given, preferring one published by an
-    initial peer (the coordinator the user named)."""
-    return fetch_run(dht, run_id, initial_peers, timeout)[0]
-
-
-def fetch_run(
-    dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: list[str] = (), timeout: float = 15.0
-) -> tuple[RunConfig, bytes]:
-    """fetch_run_config, and the subkey its record was signed under (the coordinator's public key): the one key whose
-    rollback records (hivetrain.rollback) this peer obeys."""
-    deadline = time.monotonic() + timeout
-    while True:
-        records = _read_run_records(dht)
-        if run_id is not None:
-            records = [(r, c, k) for r, c, k in records if r.run_id == run_id]
-        if records:
-            break
-        if time.monotonic() > deadline:
-            which = f"run {run_id!r}" if run_id else "any run"
-            raise SwarmError(
-                f"the swarm has no published configuration for {which} after {timeout:.0f} s: are the initial peers a"
-                " HiveTrain coordinator (python coordinator/start.py) and is it still running?"
-            )
-        time.sleep(0.5)
-    named_ids = {part for addr in initial_peers for part in addr.split("/p2p/")[1:]}
-    records.sort(key=lambda rc: (rc[0].coordinator in named_ids, rc[0].time), reverse=True)
-    run_ids = sorted({r.run_id for r, _, _ in records})
-    newest, config, signer = records[0]
-    if run_id is None and len(run_ids) > 1 and newest.coordinator not in named_ids:
-        raise SwarmError(f"the swarm holds several runs ({', '.join(run_ids)}): choose one with --run-id")
-    # From here on this node refuses what the run's readers could not use, and forgets what it took in before.
-    guard_run_keys(dht, config.run_id)
-    return config, signer
-
-
-def _add_run_record_validators(dht: hivemind.DHT) -> None:
-    # The signature validator signs what this process stores and strips signatures from what it reads. hivemind
-    # keeps the first one a DHT gets (and merges later ones into it): a process signs all its records with one key.
-    add_validators_once(dht, "run record schema",
-                        [SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
-    guard_keys(dht, [KeyRule(RUN_KEY, "signed", _RunRecord)])
-
-
-def _read_run_records(dht: hivemind.DHT) -> list[tuple[_RunRecord, RunConfig, bytes]]:
-    """The run records in the swarm with their configurations and the subkeys they were signed under; a record whose
-    configuration does not load, or does not match its fingerprint and run, is skipped with a warning."""
-    _add_run_record_validators(dht)
-    usable = []
-    for signer, record in read_signed_records(dht, RUN_KEY, _RunRecord):
-        try:
-            config = RunConfig.from_json(record.config)
-        except Exception as e:  # JSON, or a field RunConfig refuses
-            warn_skipped(RUN_KEY, "malformed", f"its configuration does not load ({type(e).__name__}: {e})")
-            continue
-        if (config.fingerprint, config.run_id) != (record.fingerprint, record.run_id):
-            warn_skipped(RUN_KEY, "malformed", "its configuration does not match its fingerprint and run")
-            continue
-        usable.append((record, config, signer))
-    return usable
 
 
 def read_records(dht: hivemind.DHT, key: str, schema: type[Record], timeout: float = DHT_READ_TIMEOUT) -> list[Record]:

@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="addresses of peers already in the run, as printed by the coordinator"
                           " (default: $HIVETRAIN_INITIAL_PEERS)")
     net.add_argument("--run-id", help="the run to join when the swarm holds several")
+    net.add_argument("--coordinator", default=None, metavar="PEER_ID",
+                     help="the coordinator's peer ID (the /p2p/ part of its address), whose signature vouches for the"
+                          " run; needed only when the initial peers are other volunteers (default: their peer IDs)")
+    net.add_argument("--any-coordinator", action="store_true",
+                     help="take the run record of whoever signed it (unsafe in a public swarm: anyone can publish one)")
     net.add_argument("--preset", help="refuse to join unless the run's configuration is exactly this preset")
     net.add_argument("--client-mode", choices=("auto", "on", "off"), default="auto",
                      help="on: only dial out (behind NAT or a firewall); auto (default): on unless the coordinator"
@@ -197,9 +202,9 @@ def _train_as_other_rank(args: argparse.Namespace, rank_setup: str) -> int:
 def _join(args: argparse.Namespace) -> int:
     from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
+    from hivetrain.run_record import fetch_run
     from hivetrain.swarm import (
-        DHTOptions, StayConnected, SwarmError, fetch_run, listen_maddr, one_line_per_event,
-        resolve_initial_peers, start_dht,
+        DHTOptions, StayConnected, SwarmError, listen_maddr, one_line_per_event, resolve_initial_peers, start_dht,
     )
 
     if not args.verbose:
@@ -238,7 +243,9 @@ def _join(args: argparse.Namespace) -> int:
     try:
         dht = start_dht(network, while_connecting=training_stack.start)
         StayConnected(dht, initial_peers).start()  # a restarted coordinator finds this peer again
-        config, coordinator_key = fetch_run(dht, args.run_id, initial_peers, timeout=args.config_timeout)
+        run = fetch_run(dht, args.run_id, initial_peers, timeout=args.config_timeout, coordinator=args.coordinator,
+                        any_coordinator=args.any_coordinator)
+        config = run.config
         if expected is not None:  # the run's name may differ; everything that shapes training may not
             expected = expected.replace(run_id=config.run_id)
         if expected is not None and expected.fingerprint != config.fingerprint:
@@ -253,7 +260,7 @@ def _join(args: argparse.Namespace) -> int:
                 f" start a run with coordinator/start.py --mode diloco"
             )
         training_stack.join()  # its imports must not be half done when the averagers fork
-        return _train(args, dht, config, client_mode, coordinator_key=coordinator_key)
+        return _train(args, dht, config, client_mode, coordinator_key=run.signer)
     except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,13 @@
+import functools
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
 import boto3
 import pytest
+from hivemind.utils.crypto import RSAPrivateKey
 from s3server import SeaweedS3
 
 # Roles start here as in the demo and the benchmarks; the tests import ROOT from here.
@@ -13,6 +16,18 @@ from benchmarks.harness import ROOT, Process  # noqa: F401
 BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
 # Tests never reach the Hugging Face hub; every process they start inherits this.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@functools.cache
+def publisher_identity() -> str:
+    """An identity file holding this process's record-signing key, for a DHT that publishes a run record in the test's
+    process: a joiner believes a run record only when its signing key hashes to the publisher's peer ID
+    (hivetrain.run_record). One at a time: DHTs started with it share that peer ID."""
+    from hivetrain.hivemind_internals import write_identity
+
+    path = Path(tempfile.mkdtemp(prefix="hivetrain-publisher-")) / "identity.key"
+    write_identity(RSAPrivateKey.process_wide(), str(path))
+    return str(path)
 
 
 def record_reader(addresses: list[str]):

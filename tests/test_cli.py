@@ -11,7 +11,8 @@ import pytest
 from conftest import Process, assert_clean_error, dht_entries, record_reader, start_coordinator
 from s3server import free_ports
 from hivetrain.config import RunConfig, get_preset
-from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions, fetch_run_config
+from hivetrain.run_record import fetch_run
+from hivetrain.swarm import INITIAL_PEERS_ENV, DHTOptions
 
 SOME_PEER_ID = "QmPvRCVMx1ta4Dzn6fqTNXNjong7wbDRiwKgjtUMPT4UTx"
 
@@ -68,7 +69,7 @@ def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
     strategy = HivemindStrategy(HivemindOptions(run_id="cli-test", target_batch_size=64, batch_size=32),
                                 network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     try:
-        config = fetch_run_config(strategy.dht, timeout=30)
+        config = fetch_run(strategy.dht, initial_peers=demo_coordinator, timeout=30).config
         assert config.run_id == "cli-test"
         assert config.fingerprint == get_preset("demo").replace(run_id="cli-test").fingerprint
     finally:

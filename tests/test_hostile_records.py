@@ -26,7 +26,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTrack
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import start_coordinator
+from conftest import publisher_identity, start_coordinator
 from coordinator.monitor import SwarmMonitor
 from hivetrain.config import get_preset
 from hivetrain.diloco import RoundTracker
@@ -35,7 +35,8 @@ from hivetrain.outer_state import outer_state_prefix
 from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, guard_run_keys, \
     usable_entries, vetted
 from hivetrain.strategy import SwarmOptimizer
-from hivetrain.swarm import RUN_KEY, fetch_run_config, publish_run_config, read_records
+from hivetrain.run_record import RUN_KEY, fetch_run, publish_run_config
+from hivetrain.swarm import read_records
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record, read_peer_records, \
     read_swarm_progress
 
@@ -72,9 +73,10 @@ class HostileSigner(RecordValidatorBase):
         return record.value
 
 
-def start_dht(*peers: hivemind.DHT, validators=()) -> hivemind.DHT:
+def start_dht(*peers: hivemind.DHT, validators=(), identity_path=None) -> hivemind.DHT:
     initial = [str(a) for dht in peers for a in dht.get_visible_maddrs()]
-    return hivemind.DHT(initial_peers=initial, host_maddrs=LOOPBACK, record_validators=list(validators), start=True)
+    return hivemind.DHT(initial_peers=initial, host_maddrs=LOOPBACK, record_validators=list(validators),
+                        identity_path=identity_path, start=True)
 
 
 def start_attacker(initial_peers: list[str], victim: bytes) -> hivemind.DHT:
@@ -212,7 +214,7 @@ class HonestPeer:
 
     def __init__(self, run_id: str):
         self.config = get_preset("demo").replace(run_id=run_id)
-        self.dht = start_dht()
+        self.dht = start_dht(identity_path=publisher_identity())
         guard_run_keys(self.dht, run_id)
         self.addresses = [str(a) for a in self.dht.get_visible_maddrs()]
         assert publish_run_config(self.dht, self.config)
@@ -263,7 +265,7 @@ def test_readers_skip_each_hostile_shape_under_every_key(shape, caplog, cleanup)
 
     # As a joiner does: fetch the run's configuration. From then on its node refuses what it cannot use and has
     # forgotten what it took in; every reader gets exactly the honest records.
-    assert fetch_run_config(joiner, run_id, initial_peers=honest.addresses, timeout=10) == honest.config
+    assert fetch_run(joiner, run_id, initial_peers=honest.addresses, timeout=10).config == honest.config
     assert [r.name for r in read_peer_records(joiner, run_id)] == ["honest"]
     assert read_swarm_progress(joiner, run_id).peers == 1
     assert ProgressTracker(joiner, run_id, target_batch_size=64, start=False).global_progress.num_peers == 1
@@ -346,7 +348,7 @@ def test_the_coordinator_and_a_joiner_outlast_every_shape(tmp_path, spawn, clean
     gc.collect()
     for shape in SHAPES[1:]:
         attack(attacker, hostile_stores(shape, run_id, victim, coordinator_id))
-    config = fetch_run_config(joiner, initial_peers=addresses, timeout=10)
+    config = fetch_run(joiner, initial_peers=addresses, timeout=10).config
     assert config.fingerprint == fingerprint and config.optim == get_preset("demo").optim
     assert ProgressTracker(joiner, run_id, target_batch_size=64, start=False).global_progress.num_peers == 0
 

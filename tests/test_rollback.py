@@ -19,7 +19,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import start_coordinator
+from conftest import publisher_identity, start_coordinator
 from coordinator.monitor import Validator
 from hivetrain.checkpoint import Checkpoint, LocalCheckpointStore, checkpoint_name, read_checkpoint
 from hivetrain.config import get_preset
@@ -27,7 +27,8 @@ from hivetrain.data import make_datamodule
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.model import create_model
 from hivetrain.rollback import RollbackRecord, RollbackWatcher, publish_rollback, read_rollback, rollback_key
-from hivetrain.swarm import DHTOptions, fetch_run, publish_run_config, start_dht
+from hivetrain.run_record import fetch_run, publish_run_config
+from hivetrain.swarm import DHTOptions, start_dht
 from peers.progress import parameter_digest
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -46,7 +47,7 @@ def _skips(caplog, key: str) -> list[str]:
 def test_a_peer_obeys_only_the_coordinators_signed_rollback(caplog):
     config = get_preset("demo").replace(run_id="rollback-unit")
     key = rollback_key(config.run_id)
-    coordinator = start_dht(DHTOptions(host_maddrs=LOOPBACK))
+    coordinator = start_dht(DHTOptions(host_maddrs=LOOPBACK, identity_path=publisher_identity()))
     addresses = [str(a) for a in coordinator.get_visible_maddrs()]
     forger_key = RSASignatureValidator(RSAPrivateKey())
     forger = hivemind.DHT(initial_peers=addresses, host_maddrs=LOOPBACK, record_validators=[forger_key], start=True)
@@ -54,8 +55,10 @@ def test_a_peer_obeys_only_the_coordinators_signed_rollback(caplog):
     watcher = None
     try:
         assert publish_run_config(coordinator, config)
-        joined, coordinator_key = fetch_run(peer, config.run_id, addresses, timeout=30)
-        assert joined == config and coordinator_key == RSASignatureValidator().local_public_key
+        run = fetch_run(peer, config.run_id, addresses, timeout=30)
+        coordinator_key = run.signer
+        assert run.config == config and coordinator_key == RSASignatureValidator().local_public_key
+        assert run.coordinator == coordinator.peer_id.to_base58()
         expires = get_dht_time() + 30
         # A validly signed record under the forger's own key, one that does not parse, and one with no owner at all.
         assert forger.store(key, _record(config.run_id, 99, round_=50).dict(), expires,
@@ -102,8 +105,8 @@ def test_a_peer_obeys_only_the_coordinators_signed_rollback(caplog):
 
 def test_a_restarted_coordinator_signs_with_the_same_key(spawn, tmp_path):
     """A peer obeys only rollback records signed by the key that signed the run record it joined with: a coordinator
-    restarted with the same identity signs with the same key (kept beside the identity), or the peers that joined
-    before the restart would skip its rollbacks."""
+    restarted with the same identity signs with the same key (its identity's), or the peers that joined before the
+    restart would skip its rollbacks."""
     signers = []
     for start in ("first", "restarted"):
         coordinator = spawn(start, "coordinator/start.py", "--host", "127.0.0.1", "--port", "0", "--identity",
@@ -112,12 +115,12 @@ def test_a_restarted_coordinator_signs_with_the_same_key(spawn, tmp_path):
         addresses = coordinator.wait_for(r"peers/join.py --initial-peers (.+)$", timeout=90).group(1).split()
         peer = start_dht(DHTOptions(host_maddrs=LOOPBACK, initial_peers=addresses))
         try:
-            signers.append(fetch_run(peer, None, addresses, timeout=30)[1])
+            signers.append(fetch_run(peer, None, addresses, timeout=30).signer)
         finally:
             peer.shutdown()
             coordinator.stop()
     assert signers[0] == signers[1]
-    assert (tmp_path / "coordinator.records.key").stat().st_mode & 0o077 == 0  # its owner's only
+    assert (tmp_path / "coordinator.key").stat().st_mode & 0o077 == 0  # its owner's only
 
 
 
