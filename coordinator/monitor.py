@@ -20,7 +20,7 @@ from hivetrain.config import RunConfig
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
 from hivetrain.rollback import ROUNDS_AHEAD, RollbackRecord
-from hivetrain.telemetry import bounded_sum, finite_or_none, read_peer_records, read_swarm_progress
+from hivetrain.telemetry import PeerIdOwners, bounded_sum, finite_or_none, read_peer_records, read_swarm_progress
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +31,12 @@ class SwarmMonitor:
         self.dht, self.config, self.writer, self.loggers = dht, config, writer, loggers
         self.start_epoch = start_epoch  # a resumed run starts at its checkpoint's epoch
         self.latest: Optional[SwarmSnapshot] = None
+        self.owners = PeerIdOwners()  # one row per peer ID, written by the key that first claimed it
 
     def refresh(self) -> SwarmSnapshot:
         """Read every peer's record and hivemind's progress, aggregate, and record both."""
         now = time.time()
-        records = read_peer_records(self.dht, self.config.run_id)
+        records = read_peer_records(self.dht, self.config.run_id, self.owners)
         progress = read_swarm_progress(self.dht, self.config.run_id)
         # Seen, first seen and left by this look's clock, never by a peer's (its `time` may be anything: a record
         # dated a century ahead would keep a peer "online" for ever and break every date shown).

@@ -9,8 +9,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+
+# The timm keywords a run's model may carry: those that shape a ViT's architecture, and nothing that names a file.
+ARCHITECTURE_SETTINGS = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "qkv_bias", "qk_norm",
+                         "init_values", "class_token", "no_embed_class", "reg_tokens", "pre_norm", "fc_norm",
+                         "global_pool", "dynamic_img_size", "drop_rate", "pos_drop_rate", "proj_drop_rate",
+                         "attn_drop_rate", "drop_path_rate", "in_chans")
+# Their largest values (1.0 for the rest: flags and rates): even on the meta device, timm takes minutes to build a
+# depth of 10^6, so sizes are bounded before a model is built (hivetrain.model also bounds the parameter count).
+SETTING_LIMITS = {"patch_size": 1024, "embed_dim": 16384, "depth": 256, "num_heads": 256, "mlp_ratio": 16.0,
+                  "reg_tokens": 256, "in_chans": 16, "init_values": 1.0}
+MAX_IMAGE_SIZE = 4096
+MAX_CLASSES = 100_000
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,23 @@ class ModelConfig:
     num_classes: int
     pretrained: bool = False  # start from the model's pretrained weights (hub or --pretrained-weights)
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to timm.create_model (patch_size, depth, ...)
+
+    def __post_init__(self) -> None:
+        # A run's configuration reaches every volunteer from the network, and timm takes more than architectures:
+        # names and keywords that fetch files or URLs (hf-hub:..., pretrained_cfg_overlay, checkpoint_path).
+        if not re.fullmatch(r"[A-Za-z0-9_.]{1,100}", self.name):
+            raise ValueError(f"model {self.name!r} is not a timm model name (no hub or file prefixes)")
+        if not (1 <= self.img_size <= MAX_IMAGE_SIZE and 1 <= self.num_classes <= MAX_CLASSES):
+            raise ValueError(f"model {self.name}: img_size must be 1..{MAX_IMAGE_SIZE} and num_classes"
+                             f" 1..{MAX_CLASSES}")
+        for key, value in self.kwargs.items():
+            if key not in ARCHITECTURE_SETTINGS:
+                raise ValueError(f"model setting {key!r} is not one a run may carry:"
+                                 f" {', '.join(ARCHITECTURE_SETTINGS)}")
+            if not isinstance(value, (bool, int, float, str)) or (isinstance(value, str) and len(value) > 32):
+                raise ValueError(f"model setting {key}={value!r} is not a number, a flag or a short name")
+            if isinstance(value, (int, float)) and not 0 <= value <= SETTING_LIMITS.get(key, 1.0):
+                raise ValueError(f"model setting {key}={value!r} is outside 0..{SETTING_LIMITS.get(key, 1.0)}")
 
 
 @dataclass(frozen=True)
@@ -152,7 +183,7 @@ class RunConfig:
                 data=DataConfig(**raw["data"]),
                 optim=OptimConfig(**optim),
                 # a setting the record predates holds the value that means "as before"
-            swarm=SwarmConfig(**{**SETTINGS_ADDED_LATER["swarm"], **raw["swarm"]}),
+                swarm=SwarmConfig(**{**SETTINGS_ADDED_LATER["swarm"], **raw["swarm"]}),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a valid RunConfig: {e}") from e

@@ -16,8 +16,21 @@ from hivetrain.config import ModelConfig, RunConfig
 from hivetrain.files import atomic_write
 
 
+# A run's model reaches every volunteer from the network: one far beyond what a volunteer's device can train (a depth
+# of 10^6, say) is refused before a byte of it is allocated. ViT-B/32 has 88 million parameters.
+MAX_PARAMETERS = 2_000_000_000
+
+
 class PretrainedWeightsUnavailable(RuntimeError):
     pass
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """How many parameters `config`'s model has, counted on the meta device (nothing allocated, nothing loaded)."""
+    with torch.device("meta"):
+        model = timm.create_model(config.name, pretrained=False, img_size=config.img_size,
+                                  num_classes=config.num_classes, **config.kwargs)
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def _hub_is_offline() -> bool:
@@ -46,6 +59,9 @@ def create_model(config: ModelConfig, pretrained_weights: str | Path | None = No
     start that counts, since peers download the swarm's state. The head is re-initialised for `num_classes`, and the
     position embedding is resized to `img_size`, by timm.
     """
+    if (count := parameter_count(config)) > MAX_PARAMETERS:
+        raise ValueError(f"model {config.name} with {config.kwargs} has {count:,} parameters, over the"
+                         f" {MAX_PARAMETERS:,} a volunteer is asked to train")
     kwargs = dict(config.kwargs, img_size=config.img_size, num_classes=config.num_classes)
     torch.manual_seed(seed)
     if pretrained_weights is not None:

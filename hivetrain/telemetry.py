@@ -21,8 +21,8 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint
 
-from hivetrain.record_guard import INT64_MAX, KeyRule, add_validators_once, guard_keys
-from hivetrain.swarm import DHT_READ_TIMEOUT, read_records
+from hivetrain.record_guard import INT64_MAX, KeyRule, add_validators_once, guard_keys, warn_skipped
+from hivetrain.swarm import DHT_READ_TIMEOUT, read_records, read_signed_records
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,36 @@ def publish_peer_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, ttl:
             logger.warning("Could not store this peer's last metrics record in time")
 
 
-def read_peer_records(dht: hivemind.DHT, run_id: str) -> list[PeerRecord]:
+class PeerIdOwners:
+    """Which signing key speaks for each peer ID: the first key seen with it. A PeerRecord's `peer_id` is its writer's
+    word, and the coordinator's store keeps one row per peer ID: a volunteer claiming another's ID would overwrite its
+    row (its name, its samples, its place on the leaderboard). At most `capacity` IDs are remembered, the oldest
+    forgotten first."""
+
+    def __init__(self, capacity: int = 10_000):
+        self.capacity = capacity
+        self._owners: dict[str, bytes] = {}
+
+    def keep_owned(self, key: str, signed: list[tuple[bytes, PeerRecord]]) -> list[PeerRecord]:
+        """The records whose peer ID is theirs (first seen with the key that signed them); the others are skipped
+        with a rate-limited warning under `key`."""
+        kept = []
+        for signer, record in signed:
+            owner = self._owners.setdefault(record.peer_id, signer)
+            if owner != signer:
+                warn_skipped(key, "claims another peer's ID", record.peer_id)
+                continue
+            kept.append(record)
+        while len(self._owners) > self.capacity:
+            del self._owners[next(iter(self._owners))]
+        return kept
+
+
+def read_peer_records(dht: hivemind.DHT, run_id: str, owners: Optional[PeerIdOwners] = None) -> list[PeerRecord]:
+    """Every peer's metrics record; with `owners`, only those whose peer ID belongs to their signer."""
     _add_validators(dht, run_id)
-    return read_records(dht, metrics_key(run_id), PeerRecord)
+    signed = read_signed_records(dht, metrics_key(run_id), PeerRecord)
+    return [record for _, record in signed] if owners is None else owners.keep_owned(metrics_key(run_id), signed)
 
 
 def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
