@@ -261,7 +261,9 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
-    from hivetrain.access import RunAuthorizer, issue_grant, load_key
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from hivetrain.access import OWN_GRANT_LIFETIME, RunAuthorizer, issue_grant, load_key
     from hivetrain.hivemind_internals import identity_key, sign_records_with
     from hivetrain.reachability import serve_dial_back
     from hivetrain.record_guard import guard_run_keys
@@ -311,10 +313,11 @@ def _run(args: argparse.Namespace) -> int:
         # key whose hash is the peer ID in their join command (hivetrain.run_record), across restarts too.
         sign_records_with(identity_key(str(identity)))
         authorizer = None
-        if args.require_token:  # the coordinator holds a grant of its own, like every peer of the run
-            grant = issue_grant(load_key(authority_path(args.authority_key, config.run_id)), "coordinator",
-                                lifetime=100 * 365 * 86400)
-            authorizer = RunAuthorizer(grant)
+        if args.require_token:  # the coordinator holds a grant of its own, for its own key, renewed as it runs out
+            authority = load_key(authority_path(args.authority_key, config.run_id))
+            own_key = RSAPrivateKey.process_wide()  # its identity key (sign_records_with above)
+            grant = issue_grant(authority, "coordinator", OWN_GRANT_LIFETIME, holder=own_key, with_key=False)
+            authorizer = RunAuthorizer(grant, holder=own_key, renew_with=authority)
         dht = start_dht(DHTOptions(
             host_maddrs=[listen_maddr(args.host, args.port)], announce_maddrs=args.announce,
             identity_path=str(identity), authorizer=authorizer,

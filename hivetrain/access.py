@@ -1,10 +1,13 @@
-"""Private runs: the coordinator signs access tokens, and every DHT request and answer in the run carries one.
+"""Private runs: the coordinator signs access grants, and every DHT request and answer in the run carries one.
 
-A token names a volunteer and an expiry, signed with the run's authority key (an RSA key the coordinator keeps). It
-is a bearer token: whoever holds it may join until it expires. Each peer puts it in hivemind's authorizer, which signs
-every DHT request and answer with the peer's own key and checks the other side's token against the authority named in
-its own. A peer without a valid token gets no answers: it cannot bootstrap, read the run's configuration, find the
-averaging groups or write any of the run's keys.
+A grant names a volunteer, an expiry and the public key of its holder, signed with the run's authority key (an RSA
+key the coordinator keeps). Each peer puts it in hivemind's authorizer, which signs every DHT request and answer with
+the holder's key and checks the other side's grant against the authority named in its own: a grant counts only in the
+hands of the key it names. So a grant seen in the traffic (every request carries one) is worthless to whoever saw it.
+
+A volunteer's token carries its grant and the holder's private key, made for it by issue-token: the token is still a
+secret (whoever holds it may join until it expires), but the swarm never sees it. The coordinator's own grant names
+its own key, lives a day and is renewed as it runs out.
 """
 
 from __future__ import annotations
@@ -15,22 +18,25 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from hivetrain.files import atomic_write
 from hivetrain.hivemind_internals import rsa_key_from_der
 
-from hivetrain.files import atomic_write
-
-TOKEN_PREFIX = "ht1."
+TOKEN_PREFIX = "ht2."
+OLD_TOKEN_PREFIXES = ("ht1.",)  # bearer grants that named no holder: no longer accepted
 TOKEN_ENV = "HIVETRAIN_TOKEN"
 LIFETIME_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+OWN_GRANT_LIFETIME = 86400  # seconds the coordinator's own grant lives; renewed RENEW_BEFORE ahead of its expiry
+RENEW_BEFORE = 3600
 
 
-def _payload(name: str, expires: int) -> bytes:
-    return f"hivetrain-access\n{name}\n{expires}".encode()
+def _payload(name: str, expires: int, holder: bytes) -> bytes:
+    return b"hivetrain-access-2\n" + f"{name}\n{expires}\n".encode() + holder
 
 
 def _b64(data: bytes) -> str:
@@ -46,22 +52,31 @@ class AccessGrant:
     name: str
     expires: int  # unix time
     authority: bytes  # the run's public authority key (RSAPublicKey.to_bytes)
-    signature: bytes  # the authority's signature of (name, expires)
+    holder: bytes  # the public key that alone may present this grant (RSAPublicKey.to_bytes)
+    signature: bytes  # the authority's signature of (name, expires, holder)
+    holder_key: Optional[bytes] = None  # the holder's private key (DER), in a volunteer's token only
 
     def encode(self) -> str:
-        # both are ASCII already: an OpenSSH public key and a base64 signature
+        """The volunteer's token: the grant and its holder's private key (the holder's public key follows from it)."""
+        if self.holder_key is None:
+            raise ValueError("a grant without its holder's key makes no token")
         body = dict(name=self.name, expires=self.expires, authority=self.authority.decode(),
-                    signature=self.signature.decode())
+                    signature=self.signature.decode(), key=_b64(self.holder_key))
         return TOKEN_PREFIX + _b64(json.dumps(body, separators=(",", ":")).encode())
 
     @classmethod
     def decode(cls, token: str) -> "AccessGrant":
+        if token.startswith(OLD_TOKEN_PREFIXES):
+            raise ValueError("this token was issued before tokens were bound to their holder: ask the coordinator"
+                             " for a new one (issue-token)")
         try:
             if not token.startswith(TOKEN_PREFIX):
                 raise ValueError
             body = json.loads(_unb64(token[len(TOKEN_PREFIX):]))
+            holder_key = _unb64(body["key"])
+            holder = rsa_key_from_der(holder_key).get_public_key().to_bytes()
             return cls(name=str(body["name"]), expires=int(body["expires"]), authority=body["authority"].encode(),
-                       signature=body["signature"].encode())
+                       holder=holder, signature=body["signature"].encode(), holder_key=holder_key)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise ValueError("this is not a HiveTrain access token (they start with"
                              f" {TOKEN_PREFIX!r}; the coordinator prints them with issue-token)") from None
@@ -92,26 +107,53 @@ def load_key(path: Path, what: str = "authority key") -> RSAPrivateKey:
     return key
 
 
-def issue_grant(authority: RSAPrivateKey, name: str, lifetime: int) -> AccessGrant:
+def issue_grant(authority: RSAPrivateKey, name: str, lifetime: int, holder: Optional[RSAPrivateKey] = None,
+                with_key: bool = True) -> AccessGrant:
+    """A grant for `name`, valid `lifetime` seconds, that only `holder` may present (a new key when None).
+
+    Args:
+        authority: the run's authority key, which signs the grant.
+        name: the volunteer it is for (its display name in the swarm).
+        lifetime: seconds until it expires.
+        holder: the key the grant names; a volunteer's is made here, the coordinator names its own.
+        with_key: carry the holder's private key, so that the grant encodes as a volunteer's token.
+    """
     if not name or "\n" in name:
         raise ValueError("a token needs a name (one line): the volunteer it is for")
+    holder = holder or RSAPrivateKey()
+    public = holder.get_public_key().to_bytes()
     expires = int(time.time()) + lifetime
-    return AccessGrant(name=name, expires=expires, authority=authority.get_public_key().to_bytes(),
-                       signature=authority.sign(_payload(name, expires)))
+    return AccessGrant(name=name, expires=expires, authority=authority.get_public_key().to_bytes(), holder=public,
+                       signature=authority.sign(_payload(name, expires, public)),
+                       holder_key=holder.to_bytes() if with_key else None)
 
 
 class RunAuthorizer(TokenAuthorizerBase):
-    """hivemind's token protocol with our grants: the access token carries this peer's public key (its requests are
-    signed with it) and the authority's signature of the grant; a token counts when the authority of this peer's own
-    grant signed it and it has not expired."""
+    """hivemind's token protocol with our grants: this peer's access token carries its grant and the public key it
+    names, and hivemind signs each request and answer with that key's private part (so only the holder can present
+    the grant). A token counts when the authority of this peer's own grant signed it, for the key that presents it,
+    and it has not expired.
 
-    def __init__(self, grant: AccessGrant, local_private_key: RSAPrivateKey | None = None):
-        super().__init__(local_private_key)
-        self.grant = grant
+    Args:
+        grant: this peer's grant; a volunteer's carries its holder key, with which this peer signs.
+        holder: the key the grant names, when the grant does not carry it (the coordinator's own key).
+        renew_with: the authority key, for the coordinator: its own grant is renewed before it expires.
+    """
+
+    def __init__(self, grant: AccessGrant, holder: Optional[RSAPrivateKey] = None,
+                 renew_with: Optional[RSAPrivateKey] = None):
+        holder = holder or (rsa_key_from_der(grant.holder_key) if grant.holder_key else None)
+        if holder is None or holder.get_public_key().to_bytes() != grant.holder:
+            raise ValueError(f"the grant for {grant.name} names another key than the one given to present it")
+        super().__init__(holder)
+        self.grant, self.renew_with = grant, renew_with
         self.authority = RSAPublicKey.from_bytes(grant.authority)
 
     async def get_token(self) -> AccessToken:
-        return AccessToken(username=self.grant.name, public_key=self.local_public_key.to_bytes(),
+        if self.renew_with is not None and self.grant.expires - time.time() < RENEW_BEFORE:
+            self.grant = issue_grant(self.renew_with, self.grant.name, OWN_GRANT_LIFETIME, self._local_private_key,
+                                     with_key=False)
+        return AccessToken(username=self.grant.name, public_key=self.grant.holder,
                            expiration_time=str(self.grant.expires), signature=self.grant.signature)
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
@@ -119,8 +161,9 @@ class RunAuthorizer(TokenAuthorizerBase):
             expires = int(access_token.expiration_time)
         except ValueError:
             return False
-        return expires > time.time() and self.authority.verify(_payload(access_token.username, expires),
-                                                               access_token.signature)
+        return expires > time.time() and self.authority.verify(
+            _payload(access_token.username, expires, access_token.public_key), access_token.signature)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return False  # a grant cannot be renewed by the peer: a new one comes from the coordinator
+        # The coordinator renews its own grant; a volunteer's new grant comes from the coordinator, in a new token.
+        return self.renew_with is not None and int(access_token.expiration_time) - time.time() < RENEW_BEFORE

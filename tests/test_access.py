@@ -1,18 +1,21 @@
 """Private runs: tokens the coordinator signs, and a swarm that answers nobody else."""
 
+import asyncio
 import time
 
 import pytest
+from hivemind.proto import dht_pb2
 from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import assert_clean_error, start_coordinator
 from hivetrain.access import AccessGrant, RunAuthorizer, issue_grant, load_key, parse_lifetime
 from hivetrain.metrics_store import MetricsReader
 
 
-def _token_of(grant: AccessGrant, public_key: bytes = b"") -> AccessToken:
-    return AccessToken(username=grant.name, public_key=public_key, expiration_time=str(grant.expires),
-                       signature=grant.signature)
+def _token_of(grant: AccessGrant, public_key: bytes | None = None) -> AccessToken:
+    return AccessToken(username=grant.name, public_key=grant.holder if public_key is None else public_key,
+                       expiration_time=str(grant.expires), signature=grant.signature)
 
 
 def test_grants_round_trip_and_only_the_authority_signs_them(tmp_path):
@@ -25,17 +28,56 @@ def test_grants_round_trip_and_only_the_authority_signs_them(tmp_path):
     coordinator = RunAuthorizer(issue_grant(authority, "coordinator", 3600))
     assert coordinator.is_token_valid(_token_of(grant))
 
-    forged = AccessGrant(name="mallory", expires=grant.expires, authority=grant.authority, signature=grant.signature)
+    forged = AccessGrant(name="mallory", expires=grant.expires, authority=grant.authority, holder=grant.holder,
+                         signature=grant.signature)
     expired = issue_grant(authority, "bob", -60)
     foreign = issue_grant(load_key(tmp_path / "other.key"), "eve", 3600)
     for token in (forged, expired, foreign):
         assert not coordinator.is_token_valid(_token_of(token)), token.name
 
 
+def test_a_grant_seen_in_the_traffic_is_worthless_to_whoever_saw_it(tmp_path):
+    """Finding 5: every DHT request and answer carries its sender's grant. A volunteer whose token runs out in two
+    minutes keeps the coordinator's grant (a day, renewed) from an answer, and presents it, with its own key or with
+    the coordinator's public key and its own signature: both are refused. The coordinator renews its own grant."""
+    authority = load_key(tmp_path / "authority.key")
+    own_key = RSAPrivateKey()
+    coordinator = RunAuthorizer(issue_grant(authority, "coordinator", 3600, holder=own_key, with_key=False),
+                                holder=own_key, renew_with=authority)
+    seen = asyncio.run(coordinator.get_token())  # what the coordinator's answers carry
+    assert coordinator.is_token_valid(seen)
+
+    mallory = RunAuthorizer(issue_grant(authority, "mallory", 120))
+    assert coordinator.is_token_valid(asyncio.run(mallory.get_token()))
+    relabelled = AccessToken(username=seen.username, public_key=mallory.local_public_key.to_bytes(),
+                             expiration_time=seen.expiration_time, signature=seen.signature)
+    assert not coordinator.is_token_valid(relabelled)
+
+    class Replaying(RunAuthorizer):
+        async def get_token(self) -> AccessToken:
+            return seen  # the coordinator's grant as it was seen, the coordinator's public key in it
+
+    replayer = Replaying(issue_grant(authority, "mallory", 120))
+    request = dht_pb2.PingRequest(peer=dht_pb2.NodeInfo(node_id=b"mallory"))
+    asyncio.run(replayer.sign_request(request, coordinator.local_public_key))
+    assert not asyncio.run(coordinator.validate_request(request))  # signed by mallory's key, not the grant's
+    honest = dht_pb2.PingRequest(peer=dht_pb2.NodeInfo(node_id=b"mallory"))
+    asyncio.run(mallory.sign_request(honest, coordinator.local_public_key))
+    assert asyncio.run(coordinator.validate_request(honest))
+
+    # A grant near its end is renewed by the coordinator, for its own key; a volunteer's never is.
+    coordinator.grant = issue_grant(authority, "coordinator", 60, holder=own_key, with_key=False)
+    renewed = asyncio.run(coordinator.get_token())
+    assert int(renewed.expiration_time) > time.time() + 86000 and renewed.public_key == seen.public_key
+    assert coordinator.does_token_need_refreshing(seen) is False and not mallory.does_token_need_refreshing(seen)
+
+
 def test_bad_tokens_and_lifetimes_are_refused_with_a_reason():
-    for text in ("", "hello", "ht1.!!!", "ht1.e30"):
+    for text in ("", "hello", "ht2.!!!", "ht2.e30"):
         with pytest.raises(ValueError, match="not a HiveTrain access token"):
             AccessGrant.decode(text)
+    with pytest.raises(ValueError, match="issued before tokens were bound to their holder"):
+        AccessGrant.decode("ht1.eyJuYW1lIjoiYWxpY2UifQ")
     assert parse_lifetime("30m") == 1800 and parse_lifetime("2w") == 14 * 86400 and parse_lifetime("90") == 90
     for text in ("0d", "7 days", "-1h"):
         with pytest.raises(ValueError, match="not a lifetime"):
@@ -51,7 +93,7 @@ def test_a_private_run_admits_token_holders_only(spawn, tmp_path):
         process = spawn(f"issue-{name}", "coordinator/start.py", "issue-token", name, "--expires", expires,
                         "--authority-key", key)
         assert process.wait(timeout=60) == 0, process.lines
-        return next(line for line in process.lines if line.startswith("ht1."))
+        return next(line for line in process.lines if line.startswith("ht2."))
 
     def join(name: str, *extra: str):
         return spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1",
