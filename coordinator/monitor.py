@@ -16,6 +16,7 @@ import hivemind
 from torch.utils.data import DataLoader
 
 from hivetrain.checkpoint import CheckpointError, CheckpointStore
+from hivetrain.clock import swarm_epoch
 from hivetrain.config import RunConfig
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
@@ -36,8 +37,9 @@ class SwarmMonitor:
     def refresh(self) -> SwarmSnapshot:
         """Read every peer's record and hivemind's progress, aggregate, and record both."""
         now = time.time()
+        counted = self.latest.epoch if self.latest else self.start_epoch
         records = read_peer_records(self.dht, self.config.run_id, self.owners)
-        progress = read_swarm_progress(self.dht, self.config.run_id)
+        progress = read_swarm_progress(self.dht, self.config.run_id, counted)
         # Seen, first seen and left by this look's clock, never by a peer's (its `time` may be anything: a record
         # dated a century ahead would keep a peer "online" for ever and break every date shown).
         self.writer.upsert_peers([
@@ -52,7 +54,7 @@ class SwarmMonitor:
         self.writer.mark_left({r.peer_id for r in records}, now)  # killed or cut off: their records lapsed
         # A leaver's last record still says how far the swarm got: peers that stop at an epoch withdraw their
         # progress records within a second of reaching it, often before this look could read them.
-        reached = max((r.epoch for r in records), default=0)
+        reached = swarm_epoch(counted, [r.epoch for r in records])  # no one record sets it (hivetrain.clock)
         records = [r for r in records if not r.left]
         # What the peers really train per wall-clock second, rounds and state downloads included: each peer's record
         # counts its samples between two records over the time between them. (hivemind's progress records carry a
@@ -67,7 +69,7 @@ class SwarmMonitor:
         snapshot = SwarmSnapshot(
             time=now,
             # the run's epoch never goes back, even when every peer has left and their records expired
-            epoch=max(progress.epoch, reached, self.latest.epoch if self.latest else self.start_epoch),
+            epoch=max(progress.epoch, reached, counted),
             alive_peers=len(records),
             clients=sum(r.client_mode for r in records),
             samples_per_second=samples_per_second,

@@ -364,6 +364,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
 
     from coordinator.monitor import SwarmMonitor, Validator
     from coordinator.state import make_state_holder
+    from hivetrain.clock import EPOCHS_AHEAD, publish_clock
     from hivetrain.events import EventLog
     from hivetrain.metrics_store import RunInfo
     from hivetrain.rollback import RollbackRecord, publish_rollback
@@ -402,6 +403,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         loggers.append(WandbScalars(wandb_run, step_metric="swarm/epoch"))
     holder = make_state_holder(dht, config, resume, device=torch.device(device))
     monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=holder.epoch)
+    # A state a volunteer serves is a claim like its progress records: bounded by the coordinator's own count.
+    holder.bound_downloads(lambda: (monitor.latest.epoch if monitor.latest else holder.epoch) + EPOCHS_AHEAD)
     stop = threading.Event()
     printing = threading.Lock()
 
@@ -445,6 +448,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
             if now >= next_refresh:
                 look_started = time.perf_counter()
                 snapshot = monitor.refresh()
+                publish_clock(dht, config.run_id, snapshot.epoch)  # the bound on what the peers may claim
                 looked = time.perf_counter() - look_started
                 say(status_line(snapshot, looked))
                 events("look", epoch=snapshot.epoch, seconds=looked, states_served=holder.states_served)

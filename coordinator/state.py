@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 import torch
@@ -20,7 +20,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
 from hivetrain.outer_state import OuterState, outer_state_prefix
-from hivetrain.hivemind_internals import catch_up_schedule, named_for_rpc_as
+from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule, named_for_rpc_as
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
@@ -36,8 +36,9 @@ def make_state_holder(dht: hivemind.DHT, config: RunConfig, resume: Optional[Che
 
 
 @named_for_rpc_as(TrainingStateAverager)  # peers download the state under hivemind's name
-class CountingStateAverager(TrainingStateAverager):
-    """hivemind's state averager that counts the state downloads it answers (the coordinator's `look` events)."""
+class CountingStateAverager(BoundedStateAverager):
+    """hivemind's state averager, its downloads bounded (BoundedStateAverager), that counts the state downloads it
+    answers (the coordinator's `look` events)."""
 
     def __init__(self, **kwargs):
         self.states_served = 0
@@ -81,6 +82,10 @@ class StateHolder:
     @property
     def epoch(self) -> int:
         return self.averager.local_epoch
+
+    def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
+        """Refuse a downloaded state whose epoch is beyond `bound()` (hivetrain.clock)."""
+        self.averager.epoch_bound = bound
 
     @property
     def has_state(self) -> bool:
@@ -161,6 +166,10 @@ class OuterStateHolder:
     @property
     def epoch(self) -> int:
         return self.outer.round
+
+    def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
+        """Refuse a downloaded outer state whose round is beyond `bound()` (hivetrain.clock)."""
+        self.outer.epoch_bound = bound
 
     @property
     def has_state(self) -> bool:

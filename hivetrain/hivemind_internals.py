@@ -22,6 +22,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 SUPPORTED_HIVEMIND_VERSIONS = ("1.1.12",)
+logger = logging.getLogger(__name__)
 
 
 def check_hivemind_version(installed: str) -> None:
@@ -240,6 +241,8 @@ class PatchedOptimizer(hivemind.Optimizer):
       run averaging in groups would otherwise average its gradients in one group of everyone.
     - A peer alone schedules no averaging rounds (see below).
     - `missed_round` tells whether the last step's gradient averaging round failed while one was begun.
+    - Its state averager is a BoundedStateAverager: a downloaded state's epoch is bounded, its optimizer settings
+      are not taken.
     """
 
     tracker_class: type[ProgressTracker] = HookedProgressTracker
@@ -254,14 +257,15 @@ class PatchedOptimizer(hivemind.Optimizer):
                                   client_mode=self.client_mode, status_loglevel=self.status_loglevel, start=True,
                                   **kwargs)
 
-    # hivemind's _make_state_averager, with the state averager robust when `aggregation` is set: hivemind names the
-    # class inside the method. State averaging moves parameters and optimizer statistics, as open to a malicious
+    # hivemind's _make_state_averager, with a BoundedStateAverager, robust when `aggregation` is set: hivemind names
+    # the class inside the method. State averaging moves parameters and optimizer statistics, as open to a malicious
     # peer as the gradients.
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        if self.aggregation is None:
-            return super()._make_state_averager(**kwargs)
-        return robust_averager_class(TrainingStateAverager)(
-            aggregation=self.aggregation,
+        robust = {} if self.aggregation is None else dict(aggregation=self.aggregation)
+        averager_class = (BoundedStateAverager if self.aggregation is None
+                          else robust_averager_class(BoundedStateAverager))
+        return averager_class(
+            **robust,
             # hivemind's prefix, spelt so that its suffix does not read as a private name to the check in
             # tests/test_hivemind_internals.py (coordinator/state.py uses the same key)
             dht=self.dht, prefix="{}_state_averager".format(self.run_id), min_matchmaking_time=self.matchmaking_time,
@@ -410,3 +414,43 @@ def robust_averager_class(averager_class: type) -> type:
     return named_for_rpc_as(averager_class)(type(
         f"Robust{averager_class.__name__}", (RobustAveraging, averager_class),
         {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))
+
+
+class _BoundedDownloads(hivemind.averaging.averager.DecentralizedAverager):
+    """Below TrainingStateAverager in BoundedStateAverager's MRO: the state a download brings, before hivemind takes
+    its epoch and steps the LR schedule up to it (one step per epoch: 10^12 of them hung the peer)."""
+
+    # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
+    epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
+    # Reports a refused state (epoch, bound): hivetrain.strategy.CoordinatorWatch makes it a rate-limited warning.
+    refused_state: Callable[[int, int], None] = staticmethod(
+        lambda epoch, bound: logger.warning(f"Skipping a downloaded state of epoch {epoch}, beyond {bound}"))
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
+        bound = self.epoch_bound()
+        if loaded is not None and bound is not None:
+            epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
+            if isinstance(epoch, int) and epoch > bound:
+                self.refused_state(epoch, bound)
+                return None
+        return loaded
+
+
+@named_for_rpc_as(TrainingStateAverager)  # peers download the state and average under hivemind's name
+class BoundedStateAverager(TrainingStateAverager, _BoundedDownloads):
+    """hivemind's TrainingStateAverager that takes from a downloaded state its parameters, statistics and epoch (up to
+    `epoch_bound`), and nothing of its optimizer settings: hivemind loads the sender's param groups (learning rate,
+    betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings stay, with
+    the learning rate its schedule gives."""
+
+    def load_state_from_peers(self, **kwargs):
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        try:
+            return super().load_state_from_peers(**kwargs)
+        finally:
+            for group, own in zip(self.optimizer.param_groups, settings):
+                group.update(own)
+            if self.scheduler is not None:
+                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                    group["lr"] = lr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from hivemind import DHT
@@ -14,6 +14,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
 from hivetrain.hivemind_internals import RobustAveraging
+from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import keeping_sigint
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class OuterState(RobustAveraging, DecentralizedAverager):
 
     Joiners download (round, parameters + momentum). `outer_optimizer` holds the momentum buffers and the
     hyperparameters in torch's SGD form, which is what checkpoints store."""
+
+    # The highest round (diloco's epoch) a groupmate or a downloaded state may name (ClockWatcher.bound); None: any.
+    epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
@@ -102,7 +106,11 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         if loaded is None:
             return False
         metadata, tensors = loaded
-        return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
+        round_, bound = metadata.get("round") if isinstance(metadata, dict) else None, self.epoch_bound()
+        if bound is not None and isinstance(round_, int) and round_ > bound:
+            warn_skipped(f"{self.prefix} state", "ahead of the coordinator's clock", f"round {round_}, beyond {bound}")
+            return False
+        return self.set_state(round_, tensors)
 
     def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
                    after_own_step: Optional[Callable[[], None]] = None) -> Optional[bool]:
@@ -152,8 +160,9 @@ class OuterState(RobustAveraging, DecentralizedAverager):
                 logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
                 gathered = None
             if gathered is not None:
-                # Groupmates that came from a later round bring this peer's round number up with their parameters.
-                self.round = max([started_round, *(r for r in gathered.values() if isinstance(r, int) and r >= 0)]) + 1
+                # Groupmates that came from a later round bring this peer's round number up with their parameters;
+                # a round beyond the coordinator's clock (hivetrain.clock) is a groupmate's word against it, skipped.
+                self.round = max([started_round, *self._usable_rounds(gathered.values())]) + 1
                 averaged, self.last_group_size = len(gathered) > 1, len(gathered)
                 self.last_groupmates = [peer.to_bytes() for peer in gathered if peer != self.peer_id]
         with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
@@ -162,6 +171,18 @@ class OuterState(RobustAveraging, DecentralizedAverager):
         if timeout is not None and gathered is None:
             return None
         return averaged
+
+    def _usable_rounds(self, gathered: Iterable[Any]) -> list[int]:
+        bound, usable = self.epoch_bound(), []
+        for round_ in gathered:
+            if not isinstance(round_, int) or isinstance(round_, bool) or round_ < 0:
+                continue
+            if bound is not None and round_ > bound:
+                warn_skipped(f"{self.prefix} groupmates", "ahead of the coordinator's clock",
+                             f"round {round_}, beyond {bound}")
+                continue
+            usable.append(round_)
+        return usable
 
     @property
     def last_round_bytes(self) -> int:

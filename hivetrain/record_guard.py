@@ -44,7 +44,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import hivemind
 from hivemind.dht.protocol import DHTProtocol
@@ -55,7 +55,8 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from pydantic.v1 import BaseModel
 
-from hivetrain.hivemind_internals import SIGNATURE_RE, SIGNED_SUBKEY_RE, HookedProgressTracker, signature_checker
+from hivetrain.hivemind_internals import (SIGNATURE_RE, SIGNED_SUBKEY_RE, HookedProgressTracker, progress_subkey,
+                                          signature_checker)
 
 logger = logging.getLogger(__name__)
 
@@ -271,12 +272,14 @@ def run_key_rules(run_id: str) -> list[KeyRule]:
     """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, the
     coordinator's rollback record, and the state-sharing declarations and matchmaking key of each of its averagers."""
     # Imported here: those modules import this one.
+    from hivetrain.clock import clock_rules
     from hivetrain.rollback import rollback_rules
     from hivetrain.run_record import RUN_KEY, RunRecord
     from hivetrain.telemetry import PeerRecord, metrics_key, progress_key
 
     rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
-             KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id)]
+             KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id),
+             *clock_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
     # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread
     # while this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two
@@ -365,9 +368,16 @@ async def _drop_refused_records(key_ids: list[bytes], _dht: hivemind.DHT, node) 
     return dropped
 
 
-def usable_progress(key: str, metadata: Any) -> dict:
-    """hivemind's progress entries (a DHT read of `<run_id>_progress`) without those usable_entries skips."""
-    return {subkey: entry for subkey, entry, _ in usable_entries(key, metadata, LocalTrainingProgress)}
+def usable_progress(key: str, metadata: Any, epoch_bound: Optional[int] = None, own: Optional[bytes] = None) -> dict:
+    """hivemind's progress entries (a DHT read of `<run_id>_progress`) without those usable_entries skips, nor, with
+    `epoch_bound`, those claiming a later epoch (but this peer's own entry, under `own`)."""
+    usable = {}
+    for subkey, entry, record in usable_entries(key, metadata, LocalTrainingProgress):
+        if epoch_bound is not None and record.epoch > epoch_bound and subkey != own:
+            warn_skipped(key, "ahead of the coordinator's clock", f"epoch {record.epoch}, beyond {epoch_bound}")
+            continue
+        usable[subkey] = entry
+    return usable
 
 
 @functools.cache
@@ -377,8 +387,12 @@ def vetted(tracker_class: type[HookedProgressTracker]) -> type[HookedProgressTra
     removed, each reported by a rate-limited warning."""
 
     class Vetted(tracker_class):
+        # The highest epoch another peer's entry may claim (hivetrain.clock.ClockWatcher.bound), None: any.
+        epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
+
         def before_parsing_progress(self, metadata: Any) -> Any:
-            return super().before_parsing_progress(usable_progress(self.training_progress_key, metadata))
+            return super().before_parsing_progress(usable_progress(
+                self.training_progress_key, metadata, self.epoch_bound(), own=progress_subkey(self)))
 
     Vetted.__name__ = Vetted.__qualname__ = f"Vetted{tracker_class.__name__}"
     Vetted.__doc__ = f"{tracker_class.__name__} that skips unusable progress entries (hivetrain.record_guard.vetted)."

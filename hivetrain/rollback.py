@@ -20,13 +20,13 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
+from hivetrain.clock import WATCH_EVERY, RecordWatcher
 from hivetrain.record_guard import KeyRule, guard_keys, warn_skipped
 from hivetrain.run_record import RUN_RECORD_TTL
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
 
 logger = logging.getLogger(__name__)
 
-WATCH_EVERY = 2.0  # seconds between a peer's looks for a rollback: well inside the 10 s allowed beyond validation
 # Rounds (swarm epochs) the rolled-back state is numbered ahead of the swarm's latest: a peer that finishes one more
 # round before it sees the record is still behind it, so it takes the rolled-back state rather than its own.
 ROUNDS_AHEAD = 3
@@ -75,39 +75,21 @@ def read_rollback(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
     return newest
 
 
-class RollbackWatcher:
+class RollbackWatcher(RecordWatcher[RollbackRecord]):
     """A peer's watch: a thread reads the rollback key every `every` seconds; `take(round_)` hands the training loop a
     record to act on, once per sequence number. A record whose state is not ahead of the peer's round is stale (the
     peer joined after it, or already holds a newer state): skipped with a warning."""
 
     def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes, every: float = WATCH_EVERY):
-        self.dht, self.run_id, self.coordinator_key, self.every = dht, run_id, coordinator_key, every
-        self._newest: Optional[RollbackRecord] = None
+        super().__init__(lambda: read_rollback(dht, run_id, coordinator_key), "rollback-watcher", every)
+        self.run_id = run_id
         self._acted_on = 0  # the last sequence number taken or skipped
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="rollback-watcher", daemon=True)
-
-    def start(self) -> RollbackWatcher:
-        self._thread.start()
-        return self
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            try:
-                record = read_rollback(self.dht, self.run_id, self.coordinator_key)
-            except Exception as e:  # the DHT is shutting down, or a read failed: look again later
-                logger.debug(f"Could not read the rollback record: {type(e).__name__}: {e}")
-                record = None
-            if record is not None:
-                with self._lock:
-                    self._newest = record
-            self._stop.wait(self.every)
+        self._taking = threading.Lock()
 
     def take(self, round_: int) -> Optional[RollbackRecord]:
         """The newest record not yet acted on, when its state is ahead of `round_` (this peer's swarm epoch)."""
-        with self._lock:
-            record = self._newest
+        with self._taking:
+            record = self.latest
             if record is None or record.sequence <= self._acted_on:
                 return None
             self._acted_on = record.sequence
@@ -116,11 +98,6 @@ class RollbackWatcher:
                          f"rollback {record.sequence} is to swarm epoch {record.round}, this peer is at {round_}")
             return None
         return record
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=DHT_READ_TIMEOUT + self.every)
 
 
 def wait_for_state(load, current_round, record: RollbackRecord, deadline_seconds: float = 30.0) -> bool:

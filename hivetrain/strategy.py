@@ -32,10 +32,12 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from hivetrain.clock import ClockWatcher
 from hivetrain.config import SwarmConfig
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
-from hivetrain.record_guard import VettedProgressTracker
+from hivetrain.outer_state import OuterState
+from hivetrain.record_guard import VettedProgressTracker, warn_skipped
 from hivetrain.robust import RobustAggregation
 from hivetrain.rollback import RollbackRecord, RollbackWatcher, wait_for_state
 from hivetrain.swarm import (RECORD_LIFETIME, DHTOptions, group_matchmaking, keeping_sigint, start_dht,
@@ -149,7 +151,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
         self._withdrawn = False  # sync mode: this peer's records are withdrawn (diloco: rounds.withdrawn)
         self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
-        self._rollback_watcher: Optional[RollbackWatcher] = None
+        self._watch: Optional[CoordinatorWatch] = None
         self.last_rollback: Optional[RollbackRecord] = None  # the coordinator's last rollback this peer took
         self.rollbacks_taken = 0
 
@@ -222,8 +224,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._replaced = _ReplacedForSwarm.take(self)
         self.options = samples_per_optimizer_step(self.options, trainer)
         if self.options.coordinator_key is not None:
-            self._rollback_watcher = RollbackWatcher(self.dht, self.options.run_id, self.options.coordinator_key)
-            self._rollback_watcher.start()
+            self._watch = CoordinatorWatch(self.dht, self.options.run_id, self.options.coordinator_key)
         if self.options.mode == "diloco":
             self.lr_scheduler_configs = schedule_per_inner_step(self.lr_scheduler_configs)
             self._setup_diloco()
@@ -238,6 +239,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.options = dataclasses.replace(self.options, reuse_grad_buffers=True)
             self.precision_plugin.scaler = hivemind.GradScaler(device=self.precision_plugin.device)
         self.optimizer = wrap_optimizer(self.options, self.dht, self.optimizers[0], schedulers[0] if schedulers else None)
+        if self._watch is not None:
+            self._watch.bound(self.optimizer.tracker, self.optimizer.state_averager)
         self._withdrawn = False
         # The scheduler now steps inside hivemind, once per swarm epoch: Lightning must not step it per batch.
         self.lr_scheduler_configs = []
@@ -253,6 +256,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         """The module's own optimizer and scheduler take the inner steps, as Lightning runs them; the rounds come
         after an optimizer step (optimizer_step)."""
         self.rounds = _make_rounds(self.options, self.dht, list(self.lightning_module.parameters()))
+        if self._watch is not None:
+            self._watch.bound(self.rounds.tracker, self.rounds.outer)
         logger.info("Loading the swarm's outer state before the first step")
         self.load_state_from_peers()
         logger.info(f"Joined the swarm at outer round {self.local_epoch}")
@@ -277,7 +282,7 @@ class HivemindStrategy(SingleDeviceStrategy):
     def _follow_rollback(self, optimizer) -> None:
         """Between two steps: when the coordinator has rolled the swarm back, load the state it serves (numbered ahead
         of this peer's, so hivemind takes it as the newest)."""
-        record = self._rollback_watcher.take(self.local_epoch) if self._rollback_watcher is not None else None
+        record = self._watch.rollbacks.take(self.local_epoch) if self._watch is not None else None
         if record is None:
             return
         if self.rounds is not None:
@@ -307,9 +312,9 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._rollback_watcher is not None:
-            self._rollback_watcher.stop()
-            self._rollback_watcher = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         # The averagers use the DHT: shut them down first, then the DHT (the reverse order hangs).
         if self.optimizer is not None:
             self.leave_swarm()
@@ -393,6 +398,29 @@ class _ReplacedForSwarm:
 _NOT_SET = object()
 
 
+class CoordinatorWatch:
+    """What a peer takes from the run's coordinator alone (records signed by the key that signed the run record): its
+    rollbacks, and its clock, which bounds the epochs and rounds other peers may claim (hivetrain.clock)."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes):
+        self.rollbacks = RollbackWatcher(dht, run_id, coordinator_key).start()
+        self.clock = ClockWatcher(dht, run_id, coordinator_key).start()
+
+    def bound(self, tracker: Any, averager: Any) -> None:
+        """Bound by the coordinator's clock the epochs `tracker` (a vetted tracker) takes from other peers, and those
+        `averager` takes from a downloaded state (a BoundedStateAverager's epoch, an OuterState's round) and from its
+        groupmates (an OuterState's round)."""
+        tracker.epoch_bound = averager.epoch_bound = self.clock.bound
+        if not isinstance(averager, OuterState):
+            key = averager.prefix + " state"
+            averager.refused_state = lambda epoch, bound: warn_skipped(
+                key, "ahead of the coordinator's clock", f"epoch {epoch}, beyond {bound}")
+
+    def stop(self) -> None:
+        self.rollbacks.stop()
+        self.clock.stop()
+
+
 def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[torch.nn.Parameter]) -> DiLoCoRounds:
     return DiLoCoRounds(
         dht, options.run_id, parameters, inner_steps=options.inner_steps,
@@ -451,7 +479,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         self._round = 0  # the swarm's outer round, as rank 0 last told every rank
         self._own_sigterm_handler: Any = None  # the process's SIGTERM handler before Lightning's
         self._given: Optional[tuple] = None  # (options, LR scheduler configs) as they were before setup replaced them
-        self._rollback_watcher: Optional[RollbackWatcher] = None  # rank 0, when the coordinator's key is known
+        self._watch: Optional[CoordinatorWatch] = None  # rank 0, when the coordinator's key is known
         self.last_rollback: Optional[RollbackRecord] = None  # rank 0: the coordinator's last rollback this peer took
         self.rollbacks_taken = 0  # every rank
 
@@ -512,12 +540,12 @@ class DiLoCoDDPStrategy(DDPStrategy):
             if self.dht is None:
                 raise ValueError(f"{type(self).__name__}: global rank 0 talks to the swarm and needs the DHT")
             self.rounds = _make_rounds(self.options, self.dht, list(self.lightning_module.parameters()))
+            if self.options.coordinator_key is not None:
+                self._watch = CoordinatorWatch(self.dht, self.options.run_id, self.options.coordinator_key)
+                self._watch.bound(self.rounds.tracker, self.rounds.outer)
             logger.info("Loading the swarm's outer state before the first step")
             self.rounds.load_state_from_peers()
             logger.info(f"Joined the swarm at outer round {self.rounds.round}")
-            if self.options.coordinator_key is not None:
-                self._rollback_watcher = RollbackWatcher(self.dht, self.options.run_id,
-                                                         self.options.coordinator_key).start()
         self._round = self._broadcast_ints(self.rounds.round if self.rounds is not None else 0)[0]
         super().configure_ddp()
 
@@ -572,7 +600,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         """Rank 0, between two inner steps: when the coordinator has rolled the swarm back, load the state it serves
         (HivemindStrategy._follow_rollback). Returns (a rollback was taken, this peer now holds its state); the ranks
         learn both with the state."""
-        record = self._rollback_watcher.take(self.rounds.round) if self._rollback_watcher is not None else None
+        record = self._watch.rollbacks.take(self.rounds.round) if self._watch is not None else None
         if record is None:
             return False, False
         reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
@@ -622,9 +650,9 @@ class DiLoCoDDPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         # The averager and tracker use the DHT, which belongs to the caller: they go, the DHT stays.
-        if self._rollback_watcher is not None:
-            self._rollback_watcher.stop()
-            self._rollback_watcher = None
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self.rounds is not None:
             self.rounds.shutdown()
             self.rounds = None

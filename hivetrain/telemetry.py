@@ -21,6 +21,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictStr, confloat, conint
 
+from hivetrain.clock import swarm_epoch
 from hivetrain.record_guard import INT64_MAX, KeyRule, add_validators_once, guard_keys, warn_skipped
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_records, read_signed_records
 
@@ -64,7 +65,7 @@ class _MetricsSchema(BaseModel):
 @dataclass
 class ProgressSummary:
     """hivemind's view of the swarm, from its progress records."""
-    epoch: int  # the newest epoch any peer reports
+    epoch: int  # the newest epoch the peers report (by the coordinator's count: see read_swarm_progress)
     peers: int  # peers with a live progress record (clients included)
     samples_accumulated: int  # toward the next epoch, summed over the peers at `epoch`
 
@@ -132,10 +133,20 @@ def read_peer_records(dht: hivemind.DHT, run_id: str, owners: Optional[PeerIdOwn
     return [record for _, record in signed] if owners is None else owners.keep_owned(metrics_key(run_id), signed)
 
 
-def read_swarm_progress(dht: hivemind.DHT, run_id: str) -> ProgressSummary:
+def read_swarm_progress(dht: hivemind.DHT, run_id: str, counted: Optional[int] = None) -> ProgressSummary:
+    """The swarm's progress from hivemind's records. With `counted`, the coordinator's count so far, the epoch is its
+    next count (hivetrain.clock.swarm_epoch), and records claiming a later one are skipped with a warning; without
+    it, the newest epoch any record claims."""
     _add_validators(dht, run_id)
-    records = read_records(dht, progress_key(run_id), LocalTrainingProgress)
-    epoch = max((r.epoch for r in records), default=0)
+    key = progress_key(run_id)
+    records = read_records(dht, key, LocalTrainingProgress)
+    if counted is None:
+        epoch = max((r.epoch for r in records), default=0)
+    else:
+        epoch = swarm_epoch(counted, [r.epoch for r in records])
+        if ahead := [r.epoch for r in records if r.epoch > epoch]:
+            warn_skipped(key, "ahead of the swarm", f"epoch {max(ahead)}, the swarm is at {epoch}")
+        records = [r for r in records if r.epoch <= epoch]
     return ProgressSummary(
         epoch=epoch,
         peers=len(records),

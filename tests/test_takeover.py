@@ -2,23 +2,34 @@
 that signs its records with its own key, and shows what the honest roles do."""
 
 import dataclasses
+import functools
+import json
+import re
 import time
+import types
 
 import hivemind
 import pytest
+import torch
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import publisher_identity
+from conftest import publisher_identity, start_coordinator
 from coordinator.monitor import SwarmMonitor
+from hivetrain.clock import (EPOCHS_AHEAD, ClockRecord, ClockWatcher, clock_key, publish_clock, read_clock,
+                             swarm_epoch)
 from hivetrain.config import RunConfig, get_preset
-from hivetrain.hivemind_internals import write_identity
+from hivetrain.hivemind_internals import BoundedStateAverager, write_identity
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.model import create_model, parameter_count
+from hivetrain.outer_state import OuterState
+from hivetrain.record_guard import VettedProgressTracker, guard_run_keys
 from hivetrain.run_record import RUN_KEY, RunRecord, fetch_run, publish_run_config, signer_peer_id
 from hivetrain.swarm import DHTOptions, SwarmError, start_dht
-from hivetrain.telemetry import PeerRecord, metrics_key, publish_peer_record
+from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 DECADE = 10 * 365 * 86400.0
@@ -148,3 +159,138 @@ def test_a_volunteer_cannot_overwrite_another_volunteers_row(tmp_path, cleanup, 
         assert [(p.peer_id, p.name, p.samples) for p in reader.peers()] == [(victim_id, "alice", 640)]
     assert [r.getMessage() for r in caplog.records if "claims another peer's ID" in r.getMessage()] == [
         f"Skipping a record under {metrics_key(config.run_id)}: claims another peer's ID: {victim_id}"]
+
+
+@pytest.mark.parametrize("previous, claims, counted", [
+    (0, [], 0),
+    (5, [6, 6, 7], 7),  # the honest swarm moves on
+    (5, [6, 10**12], 6),  # one claim among two, far ahead: skipped
+    (5, [6, 37], 37),  # a lone claim moves the count at most EPOCHS_AHEAD per look
+    (5, [6, 38], 6),
+    (5, [6, 6, 10**12], 6),  # the same among three: the majority holds, the claim is beyond the bound
+    (0, [500, 500, 10**12], 500),  # a restarted coordinator learns the swarm's epoch from the majority
+    (0, [500], 0),  # a lone claim far ahead, honest or not, counts for nothing
+    (0, [10**12], 0),
+    (0, [500, 10**12], 500),
+    (9, [3, 4], 9),  # never back
+])
+def test_the_coordinator_counts_the_swarms_epoch_itself(previous, claims, counted):
+    assert EPOCHS_AHEAD == 32
+    assert swarm_epoch(previous, claims) == counted
+
+
+def test_an_inflated_epoch_moves_neither_the_coordinator_nor_the_peers(tmp_path, cleanup, caplog):
+    """Finding 2: a volunteer's progress record, validly signed by its own key, claims epoch 10^12 (it once set the
+    coordinator's epoch for good and made every sync peer reload the state at each step). The coordinator's count
+    stays the honest swarm's, its signed clock says so, and a peer's tracker bounded by that clock counts the honest
+    peer only; a groupmate's round and a downloaded state beyond the clock are skipped alike."""
+    run_id = "takeover-epoch"
+    coordinator = start_dht(DHTOptions(host_maddrs=LOOPBACK, identity_path=publisher_identity()))
+    cleanup.append(coordinator)
+    peer = start_dht(DHTOptions(host_maddrs=LOOPBACK, initial_peers=_addresses(coordinator)))
+    cleanup.append(peer)
+    signer = RSASignatureValidator(RSAPrivateKey())
+    attacker = hivemind.DHT(initial_peers=_addresses(coordinator), host_maddrs=LOOPBACK, record_validators=[signer],
+                            start=True)
+    cleanup.append(attacker)
+    for dht in (coordinator, peer):  # as the roles do once they know the run: guarded, signing what they store
+        dht.add_validators([RSASignatureValidator()])
+        guard_run_keys(dht, run_id)
+    for dht, key, epoch in ((peer, RSASignatureValidator().local_public_key, 3),
+                            (attacker, signer.local_public_key, 10**12)):
+        progress = LocalTrainingProgress(peer_id=dht.peer_id.to_bytes(), epoch=epoch, samples_accumulated=8,
+                                         samples_per_second=1.0, time=get_dht_time(), client_mode=False)
+        assert dht.store(progress_key(run_id), progress.dict(), get_dht_time() + 300, subkey=key)
+
+    config = get_preset("demo").replace(run_id=run_id)
+    with MetricsWriter(tmp_path / "metrics.sqlite") as writer, caplog.at_level("WARNING"):
+        monitor = SwarmMonitor(coordinator, config, writer, start_epoch=3)
+        for _ in range(3):
+            snapshot = monitor.refresh()
+        assert (snapshot.epoch, snapshot.alive_peers) == (3, 0)  # no metrics records: progress only
+    assert [r.getMessage() for r in caplog.records if "ahead of the swarm" in r.getMessage()] == [
+        f"Skipping a record under {progress_key(run_id)}: ahead of the swarm: epoch {10**12}, the swarm is at 3"]
+
+    assert publish_clock(coordinator, run_id, snapshot.epoch)
+    watcher = ClockWatcher(peer, run_id, RSASignatureValidator().local_public_key, every=0.2).start()
+    try:
+        deadline = time.monotonic() + 30
+        while watcher.bound() is None:
+            assert time.monotonic() < deadline, "the clock never arrived"
+            time.sleep(0.2)
+        assert watcher.bound() == 3 + EPOCHS_AHEAD
+        unbounded = VettedProgressTracker(peer, run_id, target_batch_size=64, start=False)
+        assert unbounded.global_progress.epoch == 10**12  # what every peer used to follow
+        tracker_class = type("Bounded", (VettedProgressTracker,), dict(epoch_bound=staticmethod(watcher.bound)))
+        bounded = tracker_class(peer, run_id, target_batch_size=64, start=False)
+        assert (bounded.global_progress.epoch, bounded.global_progress.num_peers) == (3, 1)
+        outer = types.SimpleNamespace(epoch_bound=watcher.bound, prefix=f"{run_id}_outer")
+        assert OuterState._usable_rounds(outer, [3, 4, 10**12, -1, None]) == [3, 4]
+    finally:
+        watcher.stop()
+    # A forged clock, under the attacker's key, is not the coordinator's.
+    forged = ClockRecord(run_id=run_id, epoch=10**12, time=get_dht_time())
+    assert attacker.store(clock_key(run_id), forged.dict(), get_dht_time() + 60, subkey=signer.local_public_key)
+    assert read_clock(peer, run_id, RSASignatureValidator().local_public_key) == 3
+
+
+def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spawn, tmp_path, cleanup):
+    """Finding 2, as mounted: a plain hivemind process stores a validly signed progress record at epoch 10^12 before
+    a volunteer joins. The coordinator's count stays the swarm's, and the volunteer trains its three swarm epochs
+    one after another, loading the state once, as it joins."""
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "sync",
+                                               "--validate-every", "0", "--refresh", "1")
+    run_id = get_preset("demo").run_id
+    signer = RSASignatureValidator(RSAPrivateKey())
+    attacker = hivemind.DHT(initial_peers=addresses, host_maddrs=LOOPBACK, record_validators=[signer], start=True)
+    cleanup.append(attacker)
+    progress = LocalTrainingProgress(peer_id=attacker.peer_id.to_bytes(), epoch=10**12, samples_accumulated=8,
+                                     samples_per_second=1.0, time=get_dht_time(), client_mode=False)
+    assert attacker.store(progress_key(run_id), progress.dict(), get_dht_time() + 500, subkey=signer.local_public_key)
+    events = tmp_path / "peer.events"
+    peer = spawn("peer", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1",
+                 "--stop-at-epoch", "3", "--events", str(events))
+    assert peer.wait(timeout=240) == 0, peer.lines[-20:]
+    written = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [e["epoch"] for e in written if e["event"] == "epoch"] == [1, 2, 3]
+    assert sum(e["event"] == "state_loaded" for e in written) == 1
+    counted = [int(m.group(1)) for line in coordinator.lines if (m := re.match(r"^swarm epoch (\d+) \|", line))]
+    assert counted and max(counted) <= 3, counted[-5:]
+
+
+def test_a_downloaded_state_brings_neither_an_epoch_beyond_the_clock_nor_its_optimizer_settings(cleanup):
+    """Findings 2 and 3: hivemind took a served state's epoch (and stepped the LR schedule up to it, once per epoch:
+    10^12 of them hung the peer) and its param groups (an lr of 10^6). A BoundedStateAverager refuses a state beyond
+    its bound, and takes parameters, statistics and epoch, never the settings."""
+    first = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
+    cleanup.append(first)
+    second = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=_addresses(first), start=True)
+    cleanup.append(second)
+
+    def averager(cls, dht, lr: float, weight_decay: float, **kwargs):
+        model = torch.nn.Linear(4, 2)
+        return cls(dht=dht, prefix="takeover-state_state_averager", params=model.parameters(), start=True,
+                   optimizer=functools.partial(torch.optim.SGD, lr=lr, momentum=0.9, weight_decay=weight_decay),
+                   scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 0.5),
+                   **kwargs)
+
+    server = averager(TrainingStateAverager, first, lr=1e6, weight_decay=100.0, allow_state_sharing=True)
+    peer = averager(BoundedStateAverager, second, lr=0.1, weight_decay=0.0, allow_state_sharing=False)
+    cleanup += [server, peer]  # shut down before their DHTs (cleanup runs in reverse)
+    refused = []
+    peer.epoch_bound, peer.refused_state = (lambda: 10), (lambda epoch, bound: refused.append((epoch, bound)))
+    server.local_epoch = 10**12
+    deadline = time.monotonic() + 30
+    while not refused:
+        assert time.monotonic() < deadline, "no state was served"
+        peer.load_state_from_peers(timeout=5)
+    assert refused[-1] == (10**12, 10) and peer.local_epoch == 0
+    served = [p.detach().clone() for p in server.main_parameters]
+    server.local_epoch = 7
+    deadline = time.monotonic() + 30
+    while peer.local_epoch != 7:
+        assert time.monotonic() < deadline, "the state within the bound was never loaded"
+        peer.load_state_from_peers(timeout=5)
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(peer.main_parameters, served))
+    assert [group["lr"] for group in peer.optimizer.param_groups] == [0.05]  # its own lr, as its schedule puts it
+    assert peer.optimizer.param_groups[0]["weight_decay"] == 0.0  # not the server's 100

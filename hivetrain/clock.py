@@ -1,0 +1,136 @@
+"""The swarm's clock: how far the swarm has got by the coordinator's count, signed by it, and the bound it sets on
+what any one peer may claim.
+
+A progress record's epoch (sync) or round (diloco) is its writer's word. One record at epoch 10^12 once made every
+sync peer reload the state at each step, and set the coordinator's epoch for good. Now the coordinator counts the
+swarm's epoch itself (swarm_epoch: a majority of two claims or more can move it anywhere, so a restarted coordinator
+learns where the swarm is; fewer of them can move it at most EPOCHS_AHEAD per look) and publishes it under
+`<run_id>_clock`, signed as the run record is. Peers read it (ClockWatcher) and skip progress entries, and groupmates'
+round numbers, more than EPOCHS_AHEAD beyond it, with a rate-limited warning. A peer that has no clock to read (the
+coordinator is away) bounds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Generic, Optional, TypeVar
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictFloat, StrictStr, conint
+
+from hivetrain.record_guard import INT64_MAX, KeyRule, guard_keys, warn_skipped
+from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
+
+logger = logging.getLogger(__name__)
+
+# Epochs (rounds) a claim may be ahead of the coordinator's count: more than an honest swarm advances between two of
+# the coordinator's looks (--refresh, 10 s by default) plus a peer's read of the clock.
+EPOCHS_AHEAD = 32
+CLOCK_TTL = 60.0  # seconds a published clock lives unless the coordinator refreshes it (at each look)
+# Seconds between a peer's reads of a coordinator's record: a rollback is to be taken within 10 s of its validation.
+WATCH_EVERY = 2.0
+
+T = TypeVar("T")
+
+
+def clock_key(run_id: str) -> str:
+    return f"{run_id}_clock"
+
+
+class ClockRecord(BaseModel):
+    run_id: StrictStr
+    epoch: conint(strict=True, ge=0, le=INT64_MAX)  # the swarm epoch (diloco: outer round) by the coordinator's count
+    time: StrictFloat
+
+
+def clock_rules(run_id: str) -> list[KeyRule]:
+    return [KeyRule(clock_key(run_id), "signed", ClockRecord)]
+
+
+def swarm_epoch(previous: int, claims: list[int]) -> int:
+    """The coordinator's count of the swarm's epoch, from its `previous` count and the epochs the peers claim: the
+    highest of the previous count, the epoch more than half of the claims (two at least) have reached, and the
+    highest claim at most EPOCHS_AHEAD beyond the previous count. It never goes back. A lone claim further ahead
+    counts for nothing: a restarted coordinator catches up with the swarm at its first look once two peers agree,
+    and a lone peer (or attacker) moves it by at most EPOCHS_AHEAD per look."""
+    if not claims:
+        return previous
+    ordered, agreeing = sorted(claims), len(claims) // 2 + 1
+    majority = ordered[len(ordered) - agreeing] if agreeing >= 2 else previous
+    near = max((claim for claim in claims if claim <= previous + EPOCHS_AHEAD), default=previous)
+    return max(previous, majority, near)
+
+
+def publish_clock(dht: hivemind.DHT, run_id: str, epoch: int, ttl: float = CLOCK_TTL) -> bool:
+    """Store the coordinator's count, signed with this process's key (the coordinator's identity key)."""
+    guard_keys(dht, clock_rules(run_id))
+    record = ClockRecord(run_id=run_id, epoch=epoch, time=get_dht_time())
+    return dht.store(clock_key(run_id), subkey=RSASignatureValidator().local_public_key, value=record.dict(),
+                     expiration_time=get_dht_time() + ttl)
+
+
+def read_clock(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
+               timeout: float = DHT_READ_TIMEOUT) -> Optional[int]:
+    """The coordinator's latest count for run `run_id`, or None when there is none. `coordinator_key` is the subkey
+    the run record was signed under; entries under other keys are skipped with a rate-limited warning."""
+    key = clock_key(run_id)
+    guard_keys(dht, clock_rules(run_id))
+    epoch = None
+    for subkey, record in read_signed_records(dht, key, ClockRecord, timeout):
+        if subkey != coordinator_key:
+            warn_skipped(key, "not signed by the run's coordinator")
+        elif record.run_id == run_id:
+            epoch = record.epoch
+    return epoch
+
+
+class RecordWatcher(Generic[T]):
+    """A thread that calls `read` every `every` seconds and keeps the latest answer that was not None."""
+
+    def __init__(self, read: Callable[[], Optional[T]], name: str, every: float = WATCH_EVERY):
+        self.read, self.every = read, every
+        self._latest: Optional[T] = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
+
+    def start(self) -> RecordWatcher[T]:
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                value = self.read()
+            except Exception as e:  # the DHT is shutting down, or a read failed: look again later
+                logger.debug(f"Could not read a coordinator's record ({self._thread.name}): {type(e).__name__}: {e}")
+                value = None
+            if value is not None:
+                with self._lock:
+                    self._latest = value
+            self._stop.wait(self.every)
+
+    @property
+    def latest(self) -> Optional[T]:
+        with self._lock:
+            return self._latest
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=DHT_READ_TIMEOUT + self.every)
+
+
+class ClockWatcher(RecordWatcher[int]):
+    """A peer's watch on the coordinator's clock; `bound()` is the highest epoch (round) a claim may name, or None
+    before the first clock was read."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes, every: float = WATCH_EVERY):
+        super().__init__(lambda: read_clock(dht, run_id, coordinator_key), "clock-watcher", every)
+
+    def bound(self) -> Optional[int]:
+        latest = self.latest
+        return None if latest is None else latest + EPOCHS_AHEAD
