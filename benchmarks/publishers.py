@@ -20,7 +20,7 @@ import random
 import signal
 import time
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.optim.progress_tracker import LocalTrainingProgress
@@ -28,13 +28,16 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.events import EventLog
+from hivetrain.run_record import signer_peer_id
 from hivetrain.swarm import RECORD_LIFETIME
 from hivetrain.telemetry import PEER_RECORD_TTL, PUBLISH_EVERY, PeerRecord, metrics_key, progress_key
 
 
 async def publish_forever(node: DHTNode, signer: RSASignatureValidator, run_id: str, name: str, every: float,
                           stopped: asyncio.Event, first: asyncio.Future) -> None:
-    peer_id = node.peer_id
+    # The nodes share one P2P (one libp2p peer ID): each simulated peer goes by the peer ID of its own signing key, as
+    # a real peer's ID is its own (the coordinator keeps one row per peer ID, written by the key that claimed it).
+    peer_id = PeerID.from_base58(signer_peer_id(signer.local_public_key))
     samples, started = 0, time.time()
     while not stopped.is_set():
         samples += random.randint(32, 64)

@@ -72,19 +72,27 @@ def publish_clock(dht: hivemind.DHT, run_id: str, epoch: int, ttl: float = CLOCK
                      expiration_time=get_dht_time() + ttl)
 
 
+def coordinator_records(dht: hivemind.DHT, rule: KeyRule, run_id: str, coordinator_key: bytes,
+                        timeout: float = DHT_READ_TIMEOUT) -> list:
+    """The records of run `run_id` under `rule`'s key signed by `coordinator_key` (the subkey the run record was signed
+    under); entries under other keys, or naming another run, are skipped with a rate-limited warning."""
+    guard_keys(dht, [rule])
+    records = []
+    for subkey, record in read_signed_records(dht, rule.key, rule.schema, timeout):
+        if subkey != coordinator_key:
+            warn_skipped(rule.key, "not signed by the run's coordinator")
+        elif record.run_id != run_id:
+            warn_skipped(rule.key, "malformed", f"it names run {record.run_id!r}")
+        else:
+            records.append(record)
+    return records
+
+
 def read_clock(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
                timeout: float = DHT_READ_TIMEOUT) -> Optional[int]:
-    """The coordinator's latest count for run `run_id`, or None when there is none. `coordinator_key` is the subkey
-    the run record was signed under; entries under other keys are skipped with a rate-limited warning."""
-    key = clock_key(run_id)
-    guard_keys(dht, clock_rules(run_id))
-    epoch = None
-    for subkey, record in read_signed_records(dht, key, ClockRecord, timeout):
-        if subkey != coordinator_key:
-            warn_skipped(key, "not signed by the run's coordinator")
-        elif record.run_id == run_id:
-            epoch = record.epoch
-    return epoch
+    """The coordinator's latest count for run `run_id`, or None when there is none (coordinator_records)."""
+    records = coordinator_records(dht, clock_rules(run_id)[0], run_id, coordinator_key, timeout)
+    return max((record.epoch for record in records), default=None)
 
 
 class RecordWatcher(Generic[T]):

@@ -20,10 +20,10 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
-from hivetrain.clock import WATCH_EVERY, RecordWatcher
+from hivetrain.clock import WATCH_EVERY, RecordWatcher, coordinator_records
 from hivetrain.record_guard import KeyRule, guard_keys, warn_skipped
 from hivetrain.run_record import RUN_RECORD_TTL
-from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
+from hivetrain.swarm import DHT_READ_TIMEOUT
 
 logger = logging.getLogger(__name__)
 
@@ -60,19 +60,9 @@ def publish_rollback(dht: hivemind.DHT, record: RollbackRecord, ttl: float = RUN
 
 def read_rollback(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
                   timeout: float = DHT_READ_TIMEOUT) -> Optional[RollbackRecord]:
-    """The coordinator's newest rollback record of run `run_id`, if any. `coordinator_key` is the subkey the run record
-    was signed under; entries under other keys, or naming another run, are skipped with a rate-limited warning."""
-    key = rollback_key(run_id)
-    guard_keys(dht, rollback_rules(run_id))
-    newest = None
-    for subkey, record in read_signed_records(dht, key, RollbackRecord, timeout):
-        if subkey != coordinator_key:
-            warn_skipped(key, "not signed by the run's coordinator")
-        elif record.run_id != run_id:
-            warn_skipped(key, "malformed", f"it names run {record.run_id!r}")
-        elif newest is None or record.sequence > newest.sequence:
-            newest = record
-    return newest
+    """The coordinator's newest rollback record of run `run_id`, if any (hivetrain.clock.coordinator_records)."""
+    records = coordinator_records(dht, rollback_rules(run_id)[0], run_id, coordinator_key, timeout)
+    return max(records, key=lambda record: record.sequence, default=None)
 
 
 class RollbackWatcher(RecordWatcher[RollbackRecord]):

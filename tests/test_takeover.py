@@ -47,6 +47,14 @@ def _addresses(dht: hivemind.DHT) -> list[str]:
     return [str(a) for a in dht.get_visible_maddrs()]
 
 
+def _start_signer(initial_peers: list[str], cleanup: list) -> tuple[hivemind.DHT, RSASignatureValidator]:
+    """A plain hivemind process that signs what it stores with a key of its own, as any volunteer can."""
+    signer = RSASignatureValidator(RSAPrivateKey())
+    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOOPBACK, record_validators=[signer], start=True)
+    cleanup.append(dht)
+    return dht, signer
+
+
 def _start_hijacker(tmp_path, initial_peers: list[str], config) -> hivemind.DHT:
     """A volunteer whose identity key also signs its records (so its records are pinned to its own peer ID, as a
     coordinator's are) and that publishes its own run record: another model and run, robust aggregation off, and a
@@ -74,10 +82,7 @@ def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(t
     cleanup.append(hijacker)
     # The hijacker also claims the coordinator's own run id: same key, newer time, another model.
     same_id = hijacked.replace(run_id=honest.run_id)
-    signer = RSASignatureValidator(RSAPrivateKey())
-    forger = hivemind.DHT(initial_peers=_addresses(coordinator), host_maddrs=LOOPBACK, record_validators=[signer],
-                          start=True)
-    cleanup.append(forger)
+    forger, signer = _start_signer(_addresses(coordinator), cleanup)
     assert forger.store(RUN_KEY, RunRecord(run_id=same_id.run_id, config=same_id.to_json(),
                                            fingerprint=same_id.fingerprint, time=time.time() + DECADE).dict(),
                         get_dht_time() + 60, subkey=signer.local_public_key)
@@ -137,10 +142,7 @@ def test_a_volunteer_cannot_overwrite_another_volunteers_row(tmp_path, cleanup, 
     cleanup.append(coordinator)
     honest = start_dht(DHTOptions(host_maddrs=LOOPBACK, initial_peers=_addresses(coordinator)))
     cleanup.append(honest)
-    signer = RSASignatureValidator(RSAPrivateKey())
-    impostor = hivemind.DHT(initial_peers=_addresses(coordinator), host_maddrs=LOOPBACK, record_validators=[signer],
-                            start=True)
-    cleanup.append(impostor)
+    impostor, signer = _start_signer(_addresses(coordinator), cleanup)
     victim_id = honest.peer_id.to_base58()
     record = PeerRecord(peer_id=victim_id, name="alice", hardware="test CPU", client_mode=False, epoch=3,
                         samples_per_second=10.0, loss=0.5, samples=640, time=time.time())
@@ -189,10 +191,7 @@ def test_an_inflated_epoch_moves_neither_the_coordinator_nor_the_peers(tmp_path,
     cleanup.append(coordinator)
     peer = start_dht(DHTOptions(host_maddrs=LOOPBACK, initial_peers=_addresses(coordinator)))
     cleanup.append(peer)
-    signer = RSASignatureValidator(RSAPrivateKey())
-    attacker = hivemind.DHT(initial_peers=_addresses(coordinator), host_maddrs=LOOPBACK, record_validators=[signer],
-                            start=True)
-    cleanup.append(attacker)
+    attacker, signer = _start_signer(_addresses(coordinator), cleanup)
     for dht in (coordinator, peer):  # as the roles do once they know the run: guarded, signing what they store
         dht.add_validators([RSASignatureValidator()])
         guard_run_keys(dht, run_id)
@@ -241,9 +240,7 @@ def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spaw
     coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "sync",
                                                "--validate-every", "0", "--refresh", "1")
     run_id = get_preset("demo").run_id
-    signer = RSASignatureValidator(RSAPrivateKey())
-    attacker = hivemind.DHT(initial_peers=addresses, host_maddrs=LOOPBACK, record_validators=[signer], start=True)
-    cleanup.append(attacker)
+    attacker, signer = _start_signer(addresses, cleanup)
     progress = LocalTrainingProgress(peer_id=attacker.peer_id.to_bytes(), epoch=10**12, samples_accumulated=8,
                                      samples_per_second=1.0, time=get_dht_time(), client_mode=False)
     assert attacker.store(progress_key(run_id), progress.dict(), get_dht_time() + 500, subkey=signer.local_public_key)
