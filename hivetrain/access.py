@@ -146,12 +146,12 @@ class RunAuthorizer(TokenAuthorizerBase):
         if holder is None or holder.get_public_key().to_bytes() != grant.holder:
             raise ValueError(f"the grant for {grant.name} names another key than the one given to present it")
         super().__init__(holder)
-        self.grant, self.renew_with = grant, renew_with
+        self.grant, self.holder, self.renew_with = grant, holder, renew_with
         self.authority = RSAPublicKey.from_bytes(grant.authority)
 
     async def get_token(self) -> AccessToken:
         if self.renew_with is not None and self.grant.expires - time.time() < RENEW_BEFORE:
-            self.grant = issue_grant(self.renew_with, self.grant.name, OWN_GRANT_LIFETIME, self._local_private_key,
+            self.grant = issue_grant(self.renew_with, self.grant.name, OWN_GRANT_LIFETIME, self.holder,
                                      with_key=False)
         return AccessToken(username=self.grant.name, public_key=self.grant.holder,
                            expiration_time=str(self.grant.expires), signature=self.grant.signature)
