@@ -19,10 +19,11 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
-from hivetrain.outer_state import OuterState, outer_state_prefix
 from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule, named_for_rpc_as
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
+from hivetrain.outer_state import OuterState, outer_state_prefix
+from hivetrain.record_guard import warn_skipped
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
@@ -84,8 +85,11 @@ class StateHolder:
         return self.averager.local_epoch
 
     def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
-        """Refuse a downloaded state whose epoch is beyond `bound()` (hivetrain.clock)."""
+        """Refuse a downloaded state whose epoch is beyond `bound()` (hivetrain.clock), with a rate-limited warning."""
+        key = self.averager.prefix + " state"
         self.averager.epoch_bound = bound
+        self.averager.refused_state = lambda epoch, beyond: warn_skipped(
+            key, "ahead of the swarm's count", f"epoch {epoch}, beyond {beyond}")
 
     @property
     def has_state(self) -> bool:

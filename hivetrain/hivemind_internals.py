@@ -429,7 +429,7 @@ class _BoundedDownloads(hivemind.averaging.averager.DecentralizedAverager):
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
         loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
         bound = self.epoch_bound()
-        if loaded is not None and bound is not None:
+        if wait and loaded is not None and bound is not None:  # (without wait, a future: nothing to check yet)
             epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
             if isinstance(epoch, int) and epoch > bound:
                 self.refused_state(epoch, bound)
