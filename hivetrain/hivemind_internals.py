@@ -441,16 +441,23 @@ class _BoundedDownloads(hivemind.averaging.averager.DecentralizedAverager):
 class BoundedStateAverager(TrainingStateAverager, _BoundedDownloads):
     """hivemind's TrainingStateAverager that takes from a downloaded state its parameters, statistics and epoch (up to
     `epoch_bound`), and nothing of its optimizer settings: hivemind loads the sender's param groups (learning rate,
-    betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings stay, with
-    the learning rate its schedule gives."""
+    betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings are put
+    back before the schedule catches up with the new epoch, which then sets what it schedules (lr, a cyclic
+    schedule's momentum) as it does for every peer."""
+
+    _own_settings: Optional[list[dict]] = None  # during a download: this peer's param groups, without their params
 
     def load_state_from_peers(self, **kwargs):
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        self._own_settings = [{key: value for key, value in group.items() if key != "params"}
+                              for group in self.optimizer.param_groups]
         try:
             return super().load_state_from_peers(**kwargs)
         finally:
-            for group, own in zip(self.optimizer.param_groups, settings):
+            self._own_settings = None
+
+    def _update_scheduler(self):
+        # hivemind calls it right after it loaded a downloaded state's settings and epoch
+        if self._own_settings is not None:
+            for group, own in zip(self.optimizer.param_groups, self._own_settings):
                 group.update(own)
-            if self.scheduler is not None:
-                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                    group["lr"] = lr
+        super()._update_scheduler()
