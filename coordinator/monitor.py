@@ -34,10 +34,15 @@ class SwarmMonitor:
         self.latest: Optional[SwarmSnapshot] = None
         self.owners = PeerIdOwners()  # one row per peer ID, written by the key that first claimed it
 
+    @property
+    def epoch(self) -> int:
+        """The swarm's epoch by this monitor's count so far (hivetrain.clock.swarm_epoch)."""
+        return self.latest.epoch if self.latest else self.start_epoch
+
     def refresh(self) -> SwarmSnapshot:
         """Read every peer's record and hivemind's progress, aggregate, and record both."""
         now = time.time()
-        counted = self.latest.epoch if self.latest else self.start_epoch
+        counted = self.epoch
         records = read_peer_records(self.dht, self.config.run_id, self.owners)
         progress = read_swarm_progress(self.dht, self.config.run_id, counted)
         # Seen, first seen and left by this look's clock, never by a peer's (its `time` may be anything: a record

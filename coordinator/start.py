@@ -404,7 +404,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     holder = make_state_holder(dht, config, resume, device=torch.device(device))
     monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=holder.epoch)
     # A state a volunteer serves is a claim like its progress records: bounded by the coordinator's own count.
-    holder.bound_downloads(lambda: (monitor.latest.epoch if monitor.latest else holder.epoch) + EPOCHS_AHEAD)
+    holder.bound_downloads(lambda: monitor.epoch + EPOCHS_AHEAD)
     stop = threading.Event()
     printing = threading.Lock()
 

@@ -18,12 +18,12 @@ import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
+from hivetrain.clock import bound_downloads
 from hivetrain.config import RunConfig
 from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule, named_for_rpc_as
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.outer_state import OuterState, outer_state_prefix
-from hivetrain.record_guard import warn_skipped
 from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
@@ -86,10 +86,7 @@ class StateHolder:
 
     def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
         """Refuse a downloaded state whose epoch is beyond `bound()` (hivetrain.clock), with a rate-limited warning."""
-        key = self.averager.prefix + " state"
-        self.averager.epoch_bound = bound
-        self.averager.refused_state = lambda epoch, beyond: warn_skipped(
-            key, "ahead of the swarm's count", f"epoch {epoch}, beyond {beyond}")
+        bound_downloads(self.averager, bound)
 
     @property
     def has_state(self) -> bool:
@@ -173,7 +170,7 @@ class OuterStateHolder:
 
     def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
         """Refuse a downloaded outer state whose round is beyond `bound()` (hivetrain.clock)."""
-        self.outer.epoch_bound = bound
+        bound_downloads(self.outer, bound)
 
     @property
     def has_state(self) -> bool:

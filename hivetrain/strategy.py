@@ -32,12 +32,11 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from hivetrain.clock import ClockWatcher
+from hivetrain.clock import ClockWatcher, bound_downloads
 from hivetrain.config import SwarmConfig
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
-from hivetrain.outer_state import OuterState
-from hivetrain.record_guard import VettedProgressTracker, warn_skipped
+from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.robust import RobustAggregation
 from hivetrain.rollback import RollbackRecord, RollbackWatcher, wait_for_state
 from hivetrain.swarm import (RECORD_LIFETIME, DHTOptions, group_matchmaking, keeping_sigint, start_dht,
@@ -410,11 +409,8 @@ class CoordinatorWatch:
         """Bound by the coordinator's clock the epochs `tracker` (a vetted tracker) takes from other peers, and those
         `averager` takes from a downloaded state (a BoundedStateAverager's epoch, an OuterState's round) and from its
         groupmates (an OuterState's round)."""
-        tracker.epoch_bound = averager.epoch_bound = self.clock.bound
-        if not isinstance(averager, OuterState):
-            key = averager.prefix + " state"
-            averager.refused_state = lambda epoch, bound: warn_skipped(
-                key, "ahead of the coordinator's clock", f"epoch {epoch}, beyond {bound}")
+        tracker.epoch_bound = self.clock.bound
+        bound_downloads(averager, self.clock.bound)
 
     def stop(self) -> None:
         self.rollbacks.stop()

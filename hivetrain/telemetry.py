@@ -129,8 +129,9 @@ class PeerIdOwners:
 def read_peer_records(dht: hivemind.DHT, run_id: str, owners: Optional[PeerIdOwners] = None) -> list[PeerRecord]:
     """Every peer's metrics record; with `owners`, only those whose peer ID belongs to their signer."""
     _add_validators(dht, run_id)
-    signed = read_signed_records(dht, metrics_key(run_id), PeerRecord)
-    return [record for _, record in signed] if owners is None else owners.keep_owned(metrics_key(run_id), signed)
+    if owners is None:
+        return read_records(dht, metrics_key(run_id), PeerRecord)
+    return owners.keep_owned(metrics_key(run_id), read_signed_records(dht, metrics_key(run_id), PeerRecord))
 
 
 def read_swarm_progress(dht: hivemind.DHT, run_id: str, counted: Optional[int] = None) -> ProgressSummary:
