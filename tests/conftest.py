@@ -62,6 +62,16 @@ def assert_clean_error(process: Process, code: int, message: str) -> None:
 
 
 @pytest.fixture
+def cleanup():
+    """What a test started in its own process (DHTs, averagers), shut down in reverse order: an averager before its
+    DHT."""
+    started = []
+    yield started
+    for item in reversed(started):
+        item.shutdown()
+
+
+@pytest.fixture
 def spawn(tmp_path):
     started: list[Process] = []
 

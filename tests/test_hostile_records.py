@@ -230,14 +230,6 @@ class HonestPeer:
                                   subkey=self.dht.peer_id.to_bytes())
 
 
-@pytest.fixture
-def cleanup():
-    started = []
-    yield started
-    for item in reversed(started):
-        item.shutdown()
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_readers_skip_each_hostile_shape_under_every_key(shape, caplog, cleanup):
     run_id = f"hostile-{shape.replace(' ', '-')}"

@@ -35,14 +35,6 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 DECADE = 10 * 365 * 86400.0
 
 
-@pytest.fixture
-def cleanup():
-    started = []
-    yield started
-    for dht in reversed(started):
-        dht.shutdown()
-
-
 def _addresses(dht: hivemind.DHT) -> list[str]:
     return [str(a) for a in dht.get_visible_maddrs()]
 
