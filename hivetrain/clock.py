@@ -4,7 +4,7 @@ what any one peer may claim.
 A progress record's epoch (sync) or round (diloco) is its writer's word. One record at epoch 10^12 once made every
 sync peer reload the state at each step, and set the coordinator's epoch for good. Now the coordinator counts the
 swarm's epoch itself (swarm_epoch: a majority of two claims or more can move it anywhere, so a restarted coordinator
-learns where the swarm is; fewer of them can move it at most EPOCHS_AHEAD per look) and publishes it under
+learns where the swarm is; a lone peer's claim can move it at most EPOCHS_AHEAD per look) and publishes it under
 `<run_id>_clock`, signed as the run record is. Peers read it (ClockWatcher) and skip progress entries, and groupmates'
 round numbers, more than EPOCHS_AHEAD beyond it, with a rate-limited warning. A peer that has no clock to read (the
 coordinator is away) bounds nothing.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import hivemind
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 # the coordinator's looks (--refresh, 10 s by default) plus a peer's read of the clock.
 EPOCHS_AHEAD = 32
 CLOCK_TTL = 60.0  # seconds a published clock lives unless the coordinator refreshes it (at each look)
+# A clock that changed this recently (seconds) is the swarm's present: the coordinator publishes one at each look
+# (--refresh, 10 s by default).
+CLOCK_FRESH = 25.0
 # Seconds between a peer's reads of a coordinator's record: a rollback is to be taken within 10 s of its validation.
 WATCH_EVERY = 2.0
 
@@ -53,16 +57,17 @@ def clock_rules(run_id: str) -> list[KeyRule]:
 
 def swarm_epoch(previous: int, claims: list[int]) -> int:
     """The coordinator's count of the swarm's epoch, from its `previous` count and the epochs the peers claim: the
-    highest of the previous count, the epoch more than half of the claims (two at least) have reached, and the
-    highest claim at most EPOCHS_AHEAD beyond the previous count. It never goes back. A lone claim further ahead
-    counts for nothing: a restarted coordinator catches up with the swarm at its first look once two peers agree,
-    and a lone peer (or attacker) moves it by at most EPOCHS_AHEAD per look."""
-    if not claims:
-        return previous
-    ordered, agreeing = sorted(claims), len(claims) // 2 + 1
-    majority = ordered[len(ordered) - agreeing] if agreeing >= 2 else previous
-    near = max((claim for claim in claims if claim <= previous + EPOCHS_AHEAD), default=previous)
-    return max(previous, majority, near)
+    highest of the previous count and the epoch more than half of the claims have reached, when there are two claims
+    or more; with one claim, the claim if it is at most EPOCHS_AHEAD beyond the previous count. It never goes back.
+
+    So a restarted coordinator catches up with the swarm at its first look once two peers agree; a lone peer (or
+    attacker) moves it by at most EPOCHS_AHEAD per look; and a peer ahead of the others (one that trained on alone
+    while cut off, whose lone epochs come fast) moves it not at all: it is the one to take the swarm's state
+    (hivetrain.coordinator_watch)."""
+    if len(claims) >= 2:
+        ordered, agreeing = sorted(claims), len(claims) // 2 + 1
+        return max(previous, ordered[len(ordered) - agreeing])
+    return max([previous, *(claim for claim in claims if claim <= previous + EPOCHS_AHEAD)])
 
 
 def publish_clock(dht: hivemind.DHT, run_id: str, epoch: int, ttl: float = CLOCK_TTL) -> bool:
@@ -90,10 +95,10 @@ def coordinator_records(dht: hivemind.DHT, rule: KeyRule, run_id: str, coordinat
 
 
 def read_clock(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
-               timeout: float = DHT_READ_TIMEOUT) -> Optional[int]:
-    """The coordinator's latest count for run `run_id`, or None when there is none (coordinator_records)."""
+               timeout: float = DHT_READ_TIMEOUT) -> Optional[ClockRecord]:
+    """The coordinator's latest clock for run `run_id`, or None when there is none (coordinator_records)."""
     records = coordinator_records(dht, clock_rules(run_id)[0], run_id, coordinator_key, timeout)
-    return max((record.epoch for record in records), default=None)
+    return max(records, key=lambda record: record.epoch, default=None)
 
 
 def bound_downloads(averager: Any, bound: Callable[[], Optional[int]]) -> None:
@@ -113,6 +118,7 @@ class RecordWatcher(Generic[T]):
     def __init__(self, read: Callable[[], Optional[T]], name: str, every: float = WATCH_EVERY):
         self.read, self.every = read, every
         self._latest: Optional[T] = None
+        self._changed_at = 0.0  # time.monotonic() when the latest answer last changed
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
@@ -130,6 +136,8 @@ class RecordWatcher(Generic[T]):
                 value = None
             if value is not None:
                 with self._lock:
+                    if value != self._latest:
+                        self._changed_at = time.monotonic()
                     self._latest = value
             self._stop.wait(self.every)
 
@@ -138,13 +146,18 @@ class RecordWatcher(Generic[T]):
         with self._lock:
             return self._latest
 
+    def unchanged_for(self) -> float:
+        """Seconds since the latest answer last changed (by this watcher's own clock: no other machine's time)."""
+        with self._lock:
+            return time.monotonic() - self._changed_at
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=DHT_READ_TIMEOUT + self.every)
 
 
-class ClockWatcher(RecordWatcher[int]):
+class ClockWatcher(RecordWatcher[ClockRecord]):
     """A peer's watch on the coordinator's clock; `bound()` is the highest epoch (round) a claim may name, or None
     before the first clock was read."""
 
@@ -153,4 +166,10 @@ class ClockWatcher(RecordWatcher[int]):
 
     def bound(self) -> Optional[int]:
         latest = self.latest
-        return None if latest is None else latest + EPOCHS_AHEAD
+        return None if latest is None else latest.epoch + EPOCHS_AHEAD
+
+    def fresh_count(self) -> Optional[int]:
+        """The coordinator's count when a new one arrived within CLOCK_FRESH seconds (the coordinator publishes one
+        at each look; a peer cut off from the swarm reads the last one it had, as old as the cut), or None."""
+        latest = self.latest
+        return latest.epoch if latest is not None and self.unchanged_for() < CLOCK_FRESH else None

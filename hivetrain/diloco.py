@@ -187,7 +187,7 @@ class DiLoCoRounds:
             self.samples = self.inner_steps_since_round = 0
             with self.tracker.pause_updates():
                 self.tracker.update_epoch(self.outer.round)
-            self.outer.state_sharing_priority = self.outer.round
+            self.outer.advertise_round()
             return loaded
         finally:
             self.swarm_seconds += time.perf_counter() - started
@@ -258,7 +258,7 @@ class DiLoCoRounds:
                 self.outer.copy_to(self.parameters)
                 self.samples = self.inner_steps_since_round = 0
                 self.tracker.update_epoch(self.outer.round)
-            self.outer.state_sharing_priority = self.outer.round  # joiners ask the peers with the newest round first
+            self.outer.advertise_round()
         finally:
             self.swarm_seconds += time.perf_counter() - started
         self._count_round(round_, result)
@@ -305,7 +305,7 @@ class DiLoCoRounds:
         with self.tracker.pause_updates():
             self.tracker.update_epoch(self.outer.round)
         self.tracker.report_local_progress(self.outer.round, self.samples)
-        self.outer.state_sharing_priority = self.outer.round
+        self.outer.advertise_round()
         self.swarm_seconds += time.perf_counter() - started
         self._count_round(flight.round, flight.result)
         return True

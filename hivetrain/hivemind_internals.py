@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import re
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import hivemind
@@ -22,6 +23,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 SUPPORTED_HIVEMIND_VERSIONS = ("1.1.12",)
+STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the state download it is answering
 logger = logging.getLogger(__name__)
 
 
@@ -408,15 +410,33 @@ def named_for_rpc_as(averager_class: type) -> Callable[[type], type]:
     return rename
 
 
+class JoinsStateServer(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager whose shutdown waits (STATE_SERVER_JOIN_TIMEOUT at most) for the thread that answers
+    its state downloads in this process. hivemind only tells that thread to stop: one still copying and serializing a
+    state for a downloader, in torch's C++ code, when the process exits aborts it ("terminate called without an
+    active exception", exit code -6, after a peer had saved its weights)."""
+
+    def shutdown(self) -> None:
+        answering = self.is_alive()  # hivemind signals the thread only then
+        super().shutdown()
+        if not answering:
+            return
+        for thread in threading.enumerate():
+            if (getattr(thread, "_target", None) is hivemind.averaging.averager._background_thread_fetch_current_state
+                    and thread._args[1] is self._outer_pipe):
+                thread.join(STATE_SERVER_JOIN_TIMEOUT)
+
+
 @functools.cache
 def robust_averager_class(averager_class: type) -> type:
     """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging mixed in, under its name (RPC)."""
+    joins = () if issubclass(averager_class, JoinsStateServer) else (JoinsStateServer,)
     return named_for_rpc_as(averager_class)(type(
-        f"Robust{averager_class.__name__}", (RobustAveraging, averager_class),
+        f"Robust{averager_class.__name__}", (RobustAveraging, *joins, averager_class),
         {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))
 
 
-class _BoundedDownloads(hivemind.averaging.averager.DecentralizedAverager):
+class _BoundedDownloads(JoinsStateServer):
     """Below TrainingStateAverager in BoundedStateAverager's MRO: the state a download brings, before hivemind takes
     its epoch and steps the LR schedule up to it (one step per epoch: 10^12 of them hung the peer)."""
 

@@ -10,10 +10,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from hivemind import DHT
-from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
-from hivetrain.hivemind_internals import RobustAveraging
+from hivetrain.hivemind_internals import JoinsStateServer, RobustAveraging
 from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import keeping_sigint
 
@@ -25,7 +24,7 @@ def outer_state_prefix(run_id: str) -> str:
     return f"{run_id}_outer"
 
 
-class OuterState(RobustAveraging, DecentralizedAverager):
+class OuterState(RobustAveraging, JoinsStateServer):
     """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
 
     A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
@@ -74,6 +73,12 @@ class OuterState(RobustAveraging, DecentralizedAverager):
 
     def _state_tensors(self) -> list[torch.Tensor]:
         return [*self.outer_parameters, *self.momentum]
+
+    def advertise_round(self) -> None:
+        """Joiners ask the peers with the newest round first. A peer in client mode serves no state (nobody can dial
+        it), and hivemind refuses it a priority: such a peer exited after its first round."""
+        if not self.client_mode:
+            self.state_sharing_priority = self.round
 
     def get_current_state(self):
         # hivemind asks the host process for the state once per download it answers (rpc_download_state)

@@ -32,13 +32,13 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from hivetrain.clock import ClockWatcher, bound_downloads
 from hivetrain.config import SwarmConfig
+from hivetrain.coordinator_watch import CoordinatorWatch
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.hivemind_internals import PatchedOptimizer, announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.robust import RobustAggregation
-from hivetrain.rollback import RollbackRecord, RollbackWatcher, wait_for_state
+from hivetrain.rollback import RollbackRecord, wait_for_state
 from hivetrain.swarm import (RECORD_LIFETIME, DHTOptions, group_matchmaking, keeping_sigint, start_dht,
                              withdraw_records)
 
@@ -275,23 +275,35 @@ class HivemindStrategy(SingleDeviceStrategy):
                 if not finite:
                     optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
                 self._follow_swarm_schedule(in_optimizer_step=True)
-        self._follow_rollback(optimizer)
+        self._follow_coordinator(optimizer)
         return output
 
-    def _follow_rollback(self, optimizer) -> None:
+    def _follow_coordinator(self, optimizer) -> None:
         """Between two steps: when the coordinator has rolled the swarm back, load the state it serves (numbered ahead
-        of this peer's, so hivemind takes it as the newest)."""
+        of this peer's, so hivemind takes it as the newest); when this peer ran ahead of the coordinator's clock (it
+        trained alone while cut off: hivetrain.coordinator_watch), load the swarm's state, behind its own."""
         record = self._watch.rollbacks.take(self.local_epoch) if self._watch is not None else None
-        if record is None:
+        if record is not None:
+            if self.rounds is not None:
+                reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+            else:
+                reached = wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch,
+                                         record)
+            if reached:  # else wait_for_state said why, and the next validation decides again
+                self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
+        elif self._watch is not None and (clock := self._watch.ran_ahead(self.local_epoch)) is not None:
+            logger.warning(f"This peer is at swarm epoch {self.local_epoch}, far beyond the coordinator's count"
+                           f" ({clock}): it trained alone while cut off. Loading the swarm's state")
+            if self.rounds is not None:
+                self.rounds.load_state_from_peers()
+            else:  # hivemind takes no state behind this peer's epoch: it steps back to the count first
+                self.optimizer.state_averager.local_epoch = clock
+                self.optimizer.load_state_from_peers()
+        else:
             return
         if self.rounds is not None:
-            reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
-            optimizer.state.clear()  # the inner statistics belong to the training that went wrong
+            optimizer.state.clear()  # the inner statistics belong to the training that went wrong, or went alone
             self._follow_swarm_schedule(in_optimizer_step=True)
-        else:
-            reached = wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch, record)
-        if reached:  # else wait_for_state said why, and the next validation decides again
-            self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
 
     def leave_swarm(self) -> None:
         """Withdraw this peer's records now, once: the others stop counting it at their next look, and no longer wait
@@ -395,26 +407,6 @@ class _ReplacedForSwarm:
 
 
 _NOT_SET = object()
-
-
-class CoordinatorWatch:
-    """What a peer takes from the run's coordinator alone (records signed by the key that signed the run record): its
-    rollbacks, and its clock, which bounds the epochs and rounds other peers may claim (hivetrain.clock)."""
-
-    def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes):
-        self.rollbacks = RollbackWatcher(dht, run_id, coordinator_key).start()
-        self.clock = ClockWatcher(dht, run_id, coordinator_key).start()
-
-    def bound(self, tracker: Any, averager: Any) -> None:
-        """Bound by the coordinator's clock the epochs `tracker` (a vetted tracker) takes from other peers, and those
-        `averager` takes from a downloaded state (a BoundedStateAverager's epoch, an OuterState's round) and from its
-        groupmates (an OuterState's round)."""
-        tracker.epoch_bound = self.clock.bound
-        bound_downloads(averager, self.clock.bound)
-
-    def stop(self) -> None:
-        self.rollbacks.stop()
-        self.clock.stop()
 
 
 def _make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[torch.nn.Parameter]) -> DiLoCoRounds:
@@ -582,27 +574,32 @@ class DiLoCoDDPStrategy(DDPStrategy):
         changed = False
         if self.rounds is not None and (samples or non_finite):
             changed = self.rounds.after_inner_step(samples, finite=not non_finite)
-        taken, reached = self._take_rollback()
+        taken, reached = self._follow_coordinator()
         # a rollback's downloads replace rank 0's parameters even when they fall short of the served state
         changed, taken, reached = self._share_outer_state(changed or taken, in_optimizer_step=True, taken=taken,
                                                           reached=reached)
         if changed and non_finite or taken:
             # the inner optimizer's statistics took the non-finite gradients too, or belong to the training that
-            # went wrong (HivemindStrategy._follow_rollback clears them for any rollback taken, too)
+            # went wrong (HivemindStrategy._follow_coordinator clears them for any state it loads, too)
             optimizer.state.clear()
         return output
 
-    def _take_rollback(self) -> tuple[bool, bool]:
-        """Rank 0, between two inner steps: when the coordinator has rolled the swarm back, load the state it serves
-        (HivemindStrategy._follow_rollback). Returns (a rollback was taken, this peer now holds its state); the ranks
-        learn both with the state."""
+    def _follow_coordinator(self) -> tuple[bool, bool]:
+        """Rank 0, between two inner steps: when the coordinator has rolled the swarm back, load the state it serves;
+        when this peer ran ahead of its clock, the swarm's state (HivemindStrategy._follow_coordinator). Returns (a
+        state was loaded or tried, this peer now holds the rolled-back state); the ranks learn both with the state."""
         record = self._watch.rollbacks.take(self.rounds.round) if self._watch is not None else None
-        if record is None:
-            return False, False
-        reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
-        if reached:
-            self.last_rollback = record
-        return True, reached
+        if record is not None:
+            reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+            if reached:
+                self.last_rollback = record
+            return True, reached
+        if self._watch is not None and (clock := self._watch.ran_ahead(self.rounds.round)) is not None:
+            logger.warning(f"This peer is at outer round {self.rounds.round}, far beyond the coordinator's count"
+                           f" ({clock}): it trained alone while cut off. Loading the swarm's state")
+            self.rounds.load_state_from_peers()
+            return True, False
+        return False, False
 
     @override
     def on_exception(self, exception: BaseException) -> None:

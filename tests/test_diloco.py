@@ -98,6 +98,27 @@ def test_one_peer_with_one_inner_step_and_plain_outer_step_takes_the_local_step(
         rounds.shutdown()
 
 
+def test_a_peer_in_client_mode_takes_its_rounds(dhts):
+    """A peer nobody can dial (client mode: behind NAT) serves no state; alone, it takes its rounds and trains on. It
+    used to exit after its first round: hivemind refuses a client a state-sharing priority."""
+    [bootstrap] = dhts(1)
+    client = start_dht(DHTOptions(initial_peers=[str(a) for a in bootstrap.get_visible_maddrs()],
+                                  host_maddrs=LOOPBACK, client_mode=True))
+    model = create_model(CONFIG.model, seed=CONFIG.seed)
+    optimizer, _ = make_optimizer(model, CONFIG.optim)
+    rounds = _rounds(client, model, inner_steps=1, batch=8, outer_lr=1.0, outer_momentum=0.0)
+    try:
+        assert rounds.outer.client_mode
+        for seed in range(2):
+            _inner_step(model, optimizer, seed, 8)
+            assert rounds.after_inner_step(8)
+        assert rounds.round == 2 and rounds.rounds_alone == 2
+        assert rounds.outer.state_sharing_priority == 0  # it serves nothing: nobody can download from it
+    finally:
+        rounds.shutdown()
+        client.shutdown()
+
+
 def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradient(dhts):
     batch, lr, momentum = 8, 0.7, 0.9
     models = [create_model(CONFIG.model, seed=CONFIG.seed) for _ in range(2)]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import Process, live_entries, record_reader
+from hivetrain.clock import EPOCHS_AHEAD
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
@@ -30,8 +31,11 @@ from s3server import free_ports
 from test_hostile_records import SHAPES, attack, hostile_stores, start_attacker
 
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
+PARAMS_LINE = re.compile(r"^swarm epoch (\d+) \|.* \| params ([0-9a-f]+)$")
 POISONED_STEPS = 3
 CUT_SECONDS = 20  # at least: until a no longer counts b
+# ...and until b, alone, is this far ahead of a: beyond the clock (a's count, give or take the epoch a look lags)
+B_AHEAD = EPOCHS_AHEAD + 8
 TIMEOUT = 180  # for any one phase; a phase takes 10-60 s here
 
 
@@ -50,11 +54,21 @@ def _epochs(process: Process, since: float = 0.0) -> list[tuple[float, int, int]
             if t > since and (m := EPOCH_LINE.match(line))]
 
 
-def _rejoined(a: Process, b: Process, since: float, epoch: int) -> tuple[float, int] | None:
-    """(when, b's epoch) once, after `since`, a counts 3 peers again and b has reached `epoch`."""
+def _params(process: Process, since: float) -> dict[int, str]:
+    """{epoch: the parameters' hash} of each epoch line printed after `since`."""
+    lines, times = list(process.lines), list(process.times)
+    return {int(m.group(1)): m.group(2) for t, line in zip(times, lines)
+            if t > since and (m := PARAMS_LINE.match(line))}
+
+
+def _rejoined(a: Process, b: Process, since: float) -> tuple[float, int] | None:
+    """(when, the epoch) once, after `since`, a counts 3 peers again and b ended an epoch with the very parameters a
+    ended it with: b is back in step, whatever it trained alone."""
     counted = next((t for t, _, peers in _epochs(a, since=since) if peers == 3), None)
-    reached = next(((t, e) for t, e, _ in _epochs(b, since=since) if e >= epoch), None)
-    return (max(counted, reached[0]), reached[1]) if counted is not None and reached is not None else None
+    a_params = _params(a, since)
+    in_step = next(((t, e) for t, e, _ in _epochs(b, since=since)
+                    if a_params.get(e) is not None and a_params[e] == _params(b, since).get(e)), None)
+    return (max(counted, in_step[0]), in_step[1]) if counted is not None and in_step is not None else None
 
 
 def _epoch(process: Process) -> int:
@@ -163,29 +177,31 @@ def run(tmp_path_factory):
                              f"{skipped} of {POISONED_STEPS} poisoned steps skipped, no samples counted for them;"
                              f" c at its next swarm epoch"))
 
-        # 2. b loses its network for a while. The others go on without it (its records lapse), and so does b, alone;
-        # back online, b and the others are back in step: the same swarm epoch with the same parameters.
+        # 2. b loses its network for a while. The others go on without it (its records lapse), and so does b, alone,
+        # where its epochs come fast (nobody to wait for); back online beyond the coordinator's clock, b takes the
+        # swarm's state: b and the others are back in step, the same swarm epoch with the same parameters.
         if net:
             _wait(lambda: any(peers_ == 3 for _, _, peers_ in _epochs(a)), "a round with all three peers", [a, b, c])
             cut_at, epoch, b_epoch = time.time(), _epoch(a), _epoch(b)
             net.cut()
             time.sleep(CUT_SECONDS)
-            # ...and longer if need be, until a has stopped counting b (on a loaded machine epochs come slowly)
+            # ...and longer if need be, until a has stopped counting b (on a loaded machine epochs come slowly), and b
+            # is further ahead than the others would believe (as a cut of a minute or two leaves it)
             _wait(lambda: any(n == 2 for _, _, n in _epochs(a, since=cut_at)), "a counting 2 peers", [a, b, c])
+            _wait(lambda: _epoch(b) > _epoch(a) + B_AHEAD, f"b alone, {B_AHEAD} epochs ahead of a", [a, b, c])
             cut_seconds = time.time() - cut_at
             facts["epochs_during_cut"], facts["b_epochs_during_cut"] = _epoch(a) - epoch, _epoch(b) - b_epoch
             net.restore()
             restored_at, facts["epochs_at_restore"] = time.time(), (_epoch(a), _epoch(b))
-            furthest = max(facts["epochs_at_restore"])
-            rejoined = _wait(lambda: _rejoined(a, b, since=restored_at, epoch=furthest), "b back in the swarm",
-                             [a, b, c])
+            rejoined = _wait(lambda: _rejoined(a, b, since=restored_at), "b back in step with a", [a, b, c])
             facts.update(restored_at=restored_at, cut_at=cut_at, rejoined_at_epoch=rejoined[1],
                          counted_during_cut=dict(a={n for t, _, n in _epochs(a, since=cut_at) if t <= restored_at},
                                                  b={n for t, _, n in _epochs(b, since=cut_at) if t <= restored_at}))
             rows.append(FaultRow(f"peer b cut off the network for {cut_seconds:.0f} s", epoch, rejoined[0] - restored_at,
                                  f"a went on {facts['epochs_during_cut']} epochs meanwhile, b"
-                                 f" {facts['b_epochs_during_cut']} alone; back online, a counts 3 peers again and b"
-                                 f" is at epoch {furthest} (the further of the two at the restore) or later"))
+                                 f" {facts['b_epochs_during_cut']} alone; back online, a counts 3 peers again and b,"
+                                 f" which was at epoch {facts['epochs_at_restore'][1]}, ends epoch {rejoined[1]} with"
+                                 f" a's parameters"))
 
         # 3. c vanishes in the middle of an averaging round (its optimizer step has begun).
         since = time.time()
@@ -277,8 +293,13 @@ def test_a_peer_cut_off_rejoins_the_swarm(run):
     if run["net"] is None:
         pytest.skip(run["unavailable"])
     assert run["epochs_during_cut"] >= 1  # the rest of the swarm did not wait for b
-    # a stopped counting b once b's records lapsed, and trained on with c (b, alone, may or may not finish an epoch).
+    # a stopped counting b once b's records lapsed, and trained on with c; b trained on alone, further than the clock
+    # lets anyone claim, and dropped those epochs for the swarm's state: it ended an epoch in step with a, behind the
+    # epoch it had reached alone.
     assert 2 in run["counted_during_cut"]["a"]
+    a_at_restore, b_at_restore = run["epochs_at_restore"]
+    assert b_at_restore > a_at_restore + B_AHEAD
+    assert a_at_restore <= run["rejoined_at_epoch"] < b_at_restore
 
 
 def test_a_peer_on_another_network_is_dialled_back(run):

@@ -19,9 +19,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import publisher_identity, start_coordinator
 from coordinator.monitor import SwarmMonitor
-from hivetrain.clock import (EPOCHS_AHEAD, ClockRecord, ClockWatcher, clock_key, publish_clock, read_clock,
-                             swarm_epoch)
+from hivetrain.clock import (EPOCHS_AHEAD, ClockRecord, ClockWatcher, RecordWatcher, clock_key, publish_clock,
+                             read_clock, swarm_epoch)
 from hivetrain.config import RunConfig, get_preset
+from hivetrain.coordinator_watch import CoordinatorWatch
 from hivetrain.hivemind_internals import BoundedStateAverager, write_identity
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.model import create_model, parameter_count
@@ -157,16 +158,19 @@ def test_a_volunteer_cannot_overwrite_another_volunteers_row(tmp_path, cleanup, 
 
 @pytest.mark.parametrize("previous, claims, counted", [
     (0, [], 0),
-    (5, [6, 6, 7], 7),  # the honest swarm moves on
+    (5, [6, 6, 7], 6),  # the honest swarm moves on: the count is the epoch most of it has reached
+    (5, [7, 7, 7], 7),
     (5, [6, 10**12], 6),  # one claim among two, far ahead: skipped
-    (5, [6, 37], 37),  # a lone claim moves the count at most EPOCHS_AHEAD per look
-    (5, [6, 38], 6),
-    (5, [6, 6, 10**12], 6),  # the same among three: the majority holds, the claim is beyond the bound
+    (5, [6, 37], 6),  # a peer ahead of the others (it trained alone while cut off) moves nothing
+    (5, [37], 37),  # a lone claim moves the count at most EPOCHS_AHEAD per look
+    (5, [38], 5),
+    (5, [6, 6, 10**12], 6),  # the same among three: the majority holds
     (0, [500, 500, 10**12], 500),  # a restarted coordinator learns the swarm's epoch from the majority
     (0, [500], 0),  # a lone claim far ahead, honest or not, counts for nothing
     (0, [10**12], 0),
     (0, [500, 10**12], 500),
     (9, [3, 4], 9),  # never back
+    (9, [3], 9),
 ])
 def test_the_coordinator_counts_the_swarms_epoch_itself(previous, claims, counted):
     assert EPOCHS_AHEAD == 32
@@ -222,7 +226,7 @@ def test_an_inflated_epoch_moves_neither_the_coordinator_nor_the_peers(tmp_path,
     # A forged clock, under the attacker's key, is not the coordinator's.
     forged = ClockRecord(run_id=run_id, epoch=10**12, time=get_dht_time())
     assert attacker.store(clock_key(run_id), forged.dict(), get_dht_time() + 60, subkey=signer.local_public_key)
-    assert read_clock(peer, run_id, RSASignatureValidator().local_public_key) == 3
+    assert read_clock(peer, run_id, RSASignatureValidator().local_public_key).epoch == 3
 
 
 def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spawn, tmp_path, cleanup):
@@ -283,3 +287,33 @@ def test_a_downloaded_state_brings_neither_an_epoch_beyond_the_clock_nor_its_opt
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(peer.main_parameters, served))
     assert [group["lr"] for group in peer.optimizer.param_groups] == [0.05]  # its own lr, as its schedule puts it
     assert peer.optimizer.param_groups[0]["weight_decay"] == 0.0  # not the server's 100
+
+
+def test_a_peer_far_beyond_a_fresh_clock_takes_the_swarms_state_and_one_still_cut_off_does_not(monkeypatch):
+    """A peer cut off from the swarm trains on alone, its epochs coming fast; back online, far beyond the clock, it is
+    the one to take the swarm's state (the others skip its records). While cut off, it reads only the clock it had:
+    as that stops changing, it does nothing."""
+    monkeypatch.setattr("hivetrain.coordinator_watch.REJOIN_EVERY", 0.0)
+    monkeypatch.setattr("hivetrain.clock.CLOCK_FRESH", 1.0)
+    published = [ClockRecord(run_id="run", epoch=10, time=1.0)]
+
+    class Clock(ClockWatcher):
+        def __init__(self):
+            RecordWatcher.__init__(self, lambda: published[-1], "test-clock", every=0.05)
+
+    watch = CoordinatorWatch.__new__(CoordinatorWatch)
+    watch.clock, watch._next_rejoin = Clock().start(), 0.0
+    try:
+        deadline = time.monotonic() + 10
+        while watch.clock.latest is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert watch.ran_ahead(10 + EPOCHS_AHEAD) is None  # ahead, as the swarm may be between two looks
+        assert watch.ran_ahead(11 + EPOCHS_AHEAD) == 10  # further: take the state the swarm has at 10 or so
+        time.sleep(1.2)  # the coordinator is out of reach: the same clock, read again and again
+        assert watch.clock.fresh_count() is None and watch.ran_ahead(10**6) is None
+        published.append(ClockRecord(run_id="run", epoch=12, time=2.0))  # back online: the next look's clock
+        time.sleep(0.3)
+        assert watch.ran_ahead(10**6) == 12
+    finally:
+        watch.clock.stop()

@@ -1,0 +1,54 @@
+"""What a peer takes from the run's coordinator alone, in records signed by the key that signed the run record: its
+rollbacks (hivetrain.rollback), and its clock (hivetrain.clock), which bounds the epochs and rounds other peers may
+claim, and this peer's own.
+
+A peer cut off from the swarm trains on alone, and a lone peer's epochs come fast (there is nobody to wait for): one
+cut off for 100 s was 240 epochs ahead of the others when its link came back. The others skip a record that far
+beyond the clock, and a peer ahead of everyone never downloads: it trained on alone for good, beside the swarm.
+Back online it finds itself beyond the clock, and it is the one to take the swarm's state (ran_ahead), dropping
+what it trained alone; a majority of the swarm, not one peer, sets where the run is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import hivemind
+
+from hivetrain.clock import EPOCHS_AHEAD, ClockWatcher, bound_downloads
+from hivetrain.rollback import RollbackWatcher
+
+# Seconds between two tries of a peer beyond the clock to take the swarm's state: while it is still cut off, each try
+# waits for a download that cannot come.
+REJOIN_EVERY = 10.0
+
+
+class CoordinatorWatch:
+    """A peer's watch on its coordinator's rollbacks and clock."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes):
+        self.rollbacks = RollbackWatcher(dht, run_id, coordinator_key).start()
+        self.clock = ClockWatcher(dht, run_id, coordinator_key).start()
+        self._next_rejoin = 0.0
+
+    def bound(self, tracker: Any, averager: Any) -> None:
+        """Bound by the coordinator's clock the epochs `tracker` (a vetted tracker) takes from other peers, and those
+        `averager` takes from a downloaded state (a BoundedStateAverager's epoch, an OuterState's round) and from its
+        groupmates (an OuterState's round)."""
+        tracker.epoch_bound = self.clock.bound
+        bound_downloads(averager, self.clock.bound)
+
+    def ran_ahead(self, epoch: int) -> Optional[int]:
+        """The coordinator's count, fresh, when this peer's own `epoch` (round) is more than EPOCHS_AHEAD beyond it,
+        at most once per REJOIN_EVERY seconds: the peer is to take the swarm's state. None otherwise, and while the
+        count is old (this peer is still cut off: there is no state to take)."""
+        count, now = self.clock.fresh_count(), time.monotonic()
+        if count is None or epoch <= count + EPOCHS_AHEAD or now < self._next_rejoin:
+            return None
+        self._next_rejoin = now + REJOIN_EVERY
+        return count
+
+    def stop(self) -> None:
+        self.rollbacks.stop()
+        self.clock.stop()
