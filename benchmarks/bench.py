@@ -35,132 +35,17 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
 
 from benchmarks.churn import churn_section, churn_suite
 from benchmarks.defences import attacks_section, attacks_suite
-from benchmarks.harness import ROOT, Process, reached_epoch, run_baseline, start_coordinator, start_peer
+from benchmarks.harness import (MONITOR_ONLY, ROOT, Process, evaluate_weights, reached_epoch, run_baseline, run_swarm,
+                                start_coordinator, start_peer, swarm_window, validated_epoch)
 from benchmarks.monitor import monitor_section, monitor_suite
+from benchmarks.report import measured_by, verdict
 from benchmarks.scale import scale_page, scale_suite
 
 PAGE = ROOT / "logbook" / "benchmarks.md"
 RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
-
-
-# The coordinator only bootstraps and monitors (a look at the swarm every 10 s, its default) unless a suite asks it to
-# validate.
-MONITOR_ONLY = ["--validate-every", "0"]
-
-
-def validated_epoch(store: Path) -> int:
-    """The newest swarm epoch the coordinator has validated, from its metrics store (-1 before its first)."""
-    from hivetrain.metrics_store import MetricsReader, StoreMissing
-
-    try:
-        with MetricsReader(store) as reader:
-            return max((row.epoch for row in reader.validations()), default=-1)
-    except StoreMissing:
-        return -1
-
-
-def swarm_window(coordinator: Process, peers: list[Process]) -> dict:
-    """Samples/s of a swarm while all its peers train: from each peer's epoch events (its cumulative samples) between
-    the moment the last peer started training and the moment the first one stopped reaching epochs; each peer's share
-    of its training time spent in swarm rounds and state downloads, and the rounds it missed (from its leaving event);
-    and where the CPU went in that window: the peers' training processes, and everything else (their DHT, averager
-    and p2pd processes, the coordinator), in cores."""
-    started = max(peer.event("training_started")["time"] for peer in peers)
-    epochs = [[(event["time"], event["epoch"], event["samples"]) for event in peer.events("epoch")
-               if event["time"] >= started] for peer in peers]
-    if any(len(peer_epochs) < 2 for peer_epochs in epochs):
-        raise RuntimeError("a peer reached fewer than two epochs while all trained: make the window longer")
-    ended = min(peer_epochs[-1][0] for peer_epochs in epochs)
-    rate = 0.0
-    for peer_epochs in epochs:
-        inside = [epoch for epoch in peer_epochs if epoch[0] <= ended]
-        if len(inside) < 2:  # this peer's next epoch came just after the window: use its last two
-            inside = peer_epochs[-2:]
-        rate += (inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0])
-    left = [peer.event("left") for peer in peers]
-    training_cores = background_cores = 0.0
-    for role in (coordinator, *peers):
-        main, descendants = role.cpu_between(started, ended)
-        training_cores += main if role is not coordinator else 0.0
-        background_cores += descendants + (main if role is coordinator else 0.0)
-    return dict(samples_per_s=rate, window_s=ended - started,
-                epochs=max(epoch[1] for peer_epochs in epochs for epoch in peer_epochs)
-                - min(peer_epochs[0][1] for peer_epochs in epochs),
-                swarm_time_share=[event["swarm_seconds"] / event["train_seconds"] for event in left],
-                missed_rounds=sum(event["missed_rounds"] for event in left),
-                training_cores=training_cores, background_cores=background_cores)
-
-
-def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
-              timeout: float, preset: str = "demo", until: Optional[Callable[[], bool]] = None,
-              network=None, programs: Optional[dict[int, list[str]]] = None) -> tuple[Process, list[Process]]:
-    """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
-    `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
-    holds (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
-    roles, their output kept. With `network` (benchmarks.netns.LinkedNamespaces), the coordinator and peer 0 run in
-    its namespace a and peer 1 in b, so that everything between the two peers crosses its link. `programs`: by peer
-    index, what runs in place of peers/join.py (benchmarks.harness.start_peer)."""
-    roles: list[Process] = []
-    try:
-        options = [*MONITOR_ONLY, *coordinator_options]
-        if network is None:
-            coordinator, addresses = start_coordinator(work, name, options, preset)
-        else:
-            coordinator, addresses = start_coordinator(work, name, options, preset, host=network.a_ip,
-                                                       prefix=network.exec_prefix("a"))
-        roles.append(coordinator)
-        for index in range(peers):
-            side = "a" if index % 2 == 0 else "b"
-            where = [] if network is None else ["--host", network.a_ip if side == "a" else network.b_ip,
-                                                "--client-mode", "off"]
-            roles.append(start_peer(work, f"{name}-peer-{index}", addresses, [
-                "--threads", "1", "--min-peers", str(peers), "--seed", str(index), "--progress-bar", "off", *where,
-                *(option.replace("{index}", str(index)) for option in peer_options)],
-                prefix=[] if network is None else network.exec_prefix(side),
-                program=(programs or {}).get(index, ("peers/join.py",))))
-        deadline = time.monotonic() + timeout
-        while until is not None and not until():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not get where it should within {timeout:.0f} s; see {work}")
-            if any(peer.popen.poll() is not None for peer in roles[1:]):
-                raise RuntimeError(f"a peer of {name} left early; see {work}")
-            time.sleep(0.2)
-        for peer in roles[1:] if until is not None else ():
-            peer.leave()
-        for peer in roles[1:]:
-            try:
-                peer.popen.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"a peer of {name} was still running after {timeout:.0f} s; see {peer.log}")
-            if peer.popen.returncode != 0:
-                raise RuntimeError(f"a peer of {name} failed (exit code {peer.popen.returncode}); see {peer.log}")
-        # the figures read from the coordinator's store afterwards must be the peers' last: their goodbyes
-        wait_until_marked_left(work / name / "metrics.sqlite", [peer.log.stem for peer in roles[1:]], timeout=30)
-        return coordinator, roles[1:]
-    finally:
-        for role in reversed(roles):
-            role.stop()
-
-
-def wait_until_marked_left(store: Path, names: list[str], timeout: float) -> None:
-    """Wait until the coordinator's store has marked the peers called `names` left: it has read their goodbye
-    records, which carry their last figures (a peer that has exited may be gone before the coordinator's next look)."""
-    from hivetrain.metrics_store import MetricsReader
-
-    deadline = time.monotonic() + timeout
-    while True:
-        with MetricsReader(store) as reader:
-            missing = set(names) - {peer.name for peer in reader.peers() if peer.left_at is not None}
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the coordinator did not mark {', '.join(sorted(missing))} left within {timeout:.0f} s"
-                               f" of their exit; see {store}")
-        time.sleep(0.5)
 
 
 THROUGHPUT_PRESET = "digits-vit-tiny"  # ViT-Tiny at 32 px: as much compute per sample as plain hivemind was measured on
@@ -334,26 +219,6 @@ def loopback_bytes() -> int:
         if name.strip() == "lo":
             return int(counters.split()[8])  # transmit bytes (on loopback, each byte is received once as well)
     raise RuntimeError("no loopback interface in /proc/net/dev: the communication suite needs Linux")
-
-
-def evaluate_weights(paths: list[Path]) -> list[float]:
-    """Validation top-1 of weights saved by peers (--save-weights), on the demo preset's whole validation split."""
-    import dataclasses
-
-    from hivetrain.config import get_preset
-    from hivetrain.data import make_datamodule
-    from hivetrain.evaluate import evaluate
-    from hivetrain.model import create_model, load_weights
-
-    config = get_preset("demo")
-    data = make_datamodule(config)
-    data.setup()
-    model = create_model(dataclasses.replace(config.model, pretrained=False))
-    top1 = []
-    for path in paths:
-        load_weights(path, model)
-        top1.append(evaluate(model, data.val_dataloader())["top1"])
-    return top1
 
 
 COMPRESSION_KINDS = ("none", "fp16", "8bit")
@@ -544,14 +409,14 @@ def _join_section(result: dict, env: dict, out: Path) -> str:
     tiny = next(run for run in result["runs"] if run["preset"] == "demo")
     return (
         "## join\n\n"
-        f"{_measured_by(env)} For each preset, a coordinator and a seed peer training it on loopback (one"
+        f"{measured_by(env)} For each preset, a coordinator and a seed peer training it on loopback (one"
         " torch thread each); peers join one after another and download the seed's state (parameters and AdamW"
         " statistics). Seconds from the joiner's process start. `digits-vit-b32` is ViT-B/32 with its full state"
         " (88M parameters, random weights) on 32 px digits.\n\n"
         f"{tables}"
         "Target: first local step within 10 s for the tiny preset (plain hivemind 1.1.12 measured 7.8 s to state"
         " loaded and 9.2 s to the first step on this kind of machine). "
-        + _verdict(tiny["median_first_step_s"] <= 10, f"median first step {tiny['median_first_step_s']:.1f} s") + "\n\n"
+        + verdict(tiny["median_first_step_s"] <= 10, f"median first step {tiny['median_first_step_s']:.1f} s") + "\n\n"
         "Where the time goes before anything runs: a fresh interpreter's imports, measured on the idle machine before"
         " the roles start (median of 3):\n\n| imports | seconds |\n|---|---:|\n"
         + "".join(f"| {modules} | {seconds:.1f} |\n" for modules, seconds in result["import_seconds"].items())
@@ -578,11 +443,11 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
     ddp_runs = " and ".join(f"{value:.1f}" for value in result["ddp_runs_samples_per_s"])
     diloco_verdict = "".join(
         " Target (diloco): at least 0.95x DDP. "
-        + _verdict(r["ratio_to_ddp"] >= 0.95, f"{r['ratio_to_ddp']:.2f}x DDP with {r['inner_steps']} inner steps per"
+        + verdict(r["ratio_to_ddp"] >= 0.95, f"{r['ratio_to_ddp']:.2f}x DDP with {r['inner_steps']} inner steps per"
                    " round") for r in diloco)
     return (
         "## throughput\n\n"
-        f"{_measured_by(env)} The `{result['preset']}` preset, {result['batch_size']} samples per local"
+        f"{measured_by(env)} The `{result['preset']}` preset, {result['batch_size']} samples per local"
         " step, on equal hardware: two processes with one torch thread each for DDP (gloo) and for the swarm's two"
         " peers (plus the coordinator, which only bootstraps and monitors here), one process with two threads for"
         " single. The swarm's samples/s are summed over its peers' own counts between the moment both trained and"
@@ -603,7 +468,7 @@ def _throughput_section(result: dict, env: dict, out: Path) -> str:
         f"{rows}\n"
         "Target (sync): a swarm at least 0.95x DDP from 8x the per-step batch on (plain hivemind 1.1.12 measured"
         " 0.46-0.58x at 256 and 0.79-0.84x at 1024 on this kind of machine). "
-        + _verdict(best["ratio_to_ddp"] >= 0.95, f"best: {best['ratio_to_ddp']:.2f}x DDP at target batch"
+        + verdict(best["ratio_to_ddp"] >= 0.95, f"best: {best['ratio_to_ddp']:.2f}x DDP at target batch"
                    f" {best['target_batch_size']} ({best['multiple']}x), state averaged every"
                    f" {best['average_state_every']}") + diloco_verdict + "\n"
     )
@@ -620,7 +485,7 @@ def _links_section(result: dict, env: dict, out: Path) -> str:
     bytes_share = slowest["diloco"]["bytes_per_sample"] / slowest["ddp"]["bytes_per_sample"]
     return (
         "## links\n\n"
-        f"{_measured_by(env)} Two peers in network namespaces of their own, joined by one veth pair shaped"
+        f"{measured_by(env)} Two peers in network namespaces of their own, joined by one veth pair shaped"
         " in both directions with a token bucket (`tc ... tbf`) to each rate; the coordinator runs beside the first"
         f" peer. The `{result['preset']}` preset, {result['batch_size']} samples per local step, one torch thread per"
         " process: DDP with one process per namespace (gloo over the veth), the sync swarm at target batch"
@@ -636,7 +501,7 @@ def _links_section(result: dict, env: dict, out: Path) -> str:
         f"{rows}\n"
         f"Target: at {slowest['rate_mbit']} Mbit/s diloco keeps at least 0.9x its samples/s at"
         f" {fastest['rate_mbit']} Mbit/s, with bytes per trained sample at most 1% of DDP's. "
-        + _verdict(kept >= 0.9 and bytes_share <= 0.01, f"{kept:.2f}x, and {bytes_share:.1%} of DDP's bytes") + "\n"
+        + verdict(kept >= 0.9 and bytes_share <= 0.01, f"{kept:.2f}x, and {bytes_share:.1%} of DDP's bytes") + "\n"
     )
 
 
@@ -655,7 +520,7 @@ def _communication_section(result: dict, env: dict, out: Path) -> str:
         f" {cost[r['compression']]:+.1f} |\n" for r in runs)
     return (
         "## communication\n\n"
-        f"{_measured_by(env)} For each compression (applied to gradient averaging, parameter and"
+        f"{measured_by(env)} For each compression (applied to gradient averaging, parameter and"
         f" state averaging and state downloads alike), a coordinator and two peers train the `{result['preset']}`"
         f" preset for {runs[0]['epochs']} swarm epochs. Bytes are Linux's counter of the loopback interface over the"
         " whole run (start-up, DHT, telemetry, the joiners' state downloads, leaving), divided by the samples the"
@@ -666,7 +531,7 @@ def _communication_section(result: dict, env: dict, out: Path) -> str:
         f"{rows}\n"
         "Targets: at least 50% fewer bytes with fp16 and 70% with 8-bit, at a cost of at most 0.5 and 1 point (plain"
         " hivemind 1.1.12 with fp16 gradients only: 25% fewer). "
-        + " ".join(_verdict(saved[kind] >= least_saved and cost[kind] <= most_cost, kind)
+        + " ".join(verdict(saved[kind] >= least_saved and cost[kind] <= most_cost, kind)
                    for kind, (least_saved, most_cost) in COMPRESSION_TARGETS.items() if kind in saved) + "\n"
     )
 
@@ -725,10 +590,10 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                 mean = sum(map(float, reached_runs)) / len(runs)
                 what = (f"DDP {final_ddp:.3f}, {name} mean {mean:.3f} ({', '.join(reached_runs)}) at {final_samples}"
                         " samples")
-                verdict += f" {name}: " + _verdict(final_ddp - mean <= 0.01, what)
+                verdict += f" {name}: " + verdict(final_ddp - mean <= 0.01, what)
         else:
             what = f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples"
-            verdict += ". " + (_verdict(gap <= 0.01, what) if gap is not None
+            verdict += ". " + (verdict(gap <= 0.01, what) if gap is not None
                                else "**Not met** (diloco was not validated by then).")
     else:
         verdict = ""
@@ -741,7 +606,7 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                    " parameters of the one peer it downloads them from.")
     return (
         "## convergence\n\n"
-        f"{_measured_by(env)} The `{result['preset']}` preset from the same initial weights with the"
+        f"{measured_by(env)} The `{result['preset']}` preset from the same initial weights with the"
         f" same LR schedule and {result['global_batch_size']} samples per optimizer step: single (batch 32,"
         " accumulating 4), DDP (2 processes x 32, accumulating 2) and a swarm of 2 peers (target batch"
         f" {result['global_batch_size']}).{diloco} The baselines validate after each pass over the training data, the"
@@ -754,16 +619,6 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                     + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves[name]) + "." for name in swarms)
         + verdict + "\n"
     )
-
-
-def _verdict(met: bool, what: str) -> str:
-    return f"{'**Met**' if met else '**Not met**'} ({what})."
-
-
-def _measured_by(env: dict) -> str:
-    """The line every section opens with: `env` as render() gives it, with the command that measured the suite."""
-    return (f"`{env['command']}` on {env['date']}, commit {env['commit']} ({env['machine']}; Python {env['python']},"
-            f" torch {env['torch']}, hivemind {env['hivemind']}).")
 
 
 SUITES = {

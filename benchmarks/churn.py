@@ -112,7 +112,7 @@ def rounds_by_peer(store: Path) -> dict[str, tuple[int, int, int]]:
 
 
 def churn_suite(work: Path, smoke: bool) -> dict:
-    from benchmarks.bench import MONITOR_ONLY
+    from benchmarks.harness import MONITOR_ONLY
     from hivetrain.config import diloco_schedule_flags, get_preset
 
     steady_s, churn_s, gap_s = (SMOKE_STEADY_S, SMOKE_CHURN_S, SMOKE_GAP_S) if smoke else (STEADY_S, CHURN_S, GAP_S)
@@ -239,7 +239,7 @@ def _cpu_paragraph(result: dict) -> str:
 
 
 def churn_section(result: dict, env: dict, out: Path) -> str:
-    from benchmarks.bench import _measured_by, _verdict
+    from benchmarks.report import measured_by, verdict
 
     def seconds(value: float | None) -> str:
         return "–" if value is None else f"{value:.1f}"
@@ -261,7 +261,7 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
     steady, churn = result["rounds_steady"], result["rounds_churn"]
     return (
         "## churn\n\n"
-        f"{_measured_by(env)} A coordinator and {result['peers']} peers of the `{result['preset']}` preset"
+        f"{measured_by(env)} A coordinator and {result['peers']} peers of the `{result['preset']}` preset"
         f" (diloco, {result['inner_steps']} inner steps per round, one torch thread each) train undisturbed for"
         f" {result['steady_s']:.0f} s, then for {result['churn_s']:.0f} s a peer leaves at seeded random intervals"
         f" (seed {result['seed']}, 20-40 s apart), cleanly (SIGTERM) or killed (SIGKILL), and a new peer starts at"
@@ -282,8 +282,8 @@ def churn_section(result: dict, env: dict, out: Path) -> str:
         "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|\n"
         f"{rows}\n{_cpu_paragraph(result)}"
         "Targets: a departed peer stops counting within 2 s of a clean leave "
-        + _verdict(worst(clean) <= 2, f"worst {worst(clean):.1f} s") + " Within 15 s of SIGKILL "
-        + _verdict(worst(killed) <= 15, f"worst {worst(killed):.1f} s") + " Throughput under churn at least 85% of"
-        " the undisturbed swarm's " + _verdict(ratio >= 0.85, f"{ratio:.0%}") + " No join over 12 s "
-        + _verdict(worst(joins) <= 12, f"worst {worst(joins):.1f} s") + "\n"
+        + verdict(worst(clean) <= 2, f"worst {worst(clean):.1f} s") + " Within 15 s of SIGKILL "
+        + verdict(worst(killed) <= 15, f"worst {worst(killed):.1f} s") + " Throughput under churn at least 85% of"
+        " the undisturbed swarm's " + verdict(ratio >= 0.85, f"{ratio:.0%}") + " No join over 12 s "
+        + verdict(worst(joins) <= 12, f"worst {worst(joins):.1f} s") + "\n"
     )

@@ -49,7 +49,7 @@ def defended_run(work: Path, name: str, defence: str, attack: Optional[str], rou
     """One run: `attack` (None: four honest peers) against a coordinator with `coordinator_options`; the honest
     peers' top-1 and samples/s, and the rounds the attacker averaged with the others (the coordinator's store), and
     the honest peers (stopped, their events kept)."""
-    from benchmarks.bench import evaluate_weights, run_swarm
+    from benchmarks.harness import evaluate_weights, run_swarm
     from benchmarks.churn import peer_rows
     from hivetrain.config import diloco_schedule_flags, get_preset
 
@@ -139,7 +139,7 @@ def attacks_suite(work: Path, smoke: bool) -> dict:
 
 
 def attacks_section(result: dict, env: dict, out: Path) -> str:
-    from benchmarks.bench import _measured_by, _verdict
+    from benchmarks.report import measured_by, verdict
 
     honest = {run["defence"]: run for run in result["runs"] if run["attack"] is None}
 
@@ -167,15 +167,15 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         worst = min(attacked, key=points, default=None)
         if worst is not None:
             verdicts.append(f"{defence} keeps every attacked run within {TOP1_POINTS:.0f} top-1 points of the honest"
-                            " run: " + _verdict(-points(worst) <= TOP1_POINTS,
+                            " run: " + verdict(-points(worst) <= TOP1_POINTS,
                                                 f"worst {worst['attack']}, {points(worst):+.1f} points"))
         if "none" in honest:
             overhead = 1 - baseline["samples_per_s"] / honest["none"]["samples_per_s"]
             verdicts.append(f"{defence} costs an honest run at most {OVERHEAD:.0%} of its samples/s: "
-                            + _verdict(overhead <= OVERHEAD, f"{overhead:.1%}"))
+                            + verdict(overhead <= OVERHEAD, f"{overhead:.1%}"))
     section = (
         "## attacks\n\n"
-        f"{_measured_by(env)} A coordinator and {result['peers']} peers of the `{result['preset']}`"
+        f"{measured_by(env)} A coordinator and {result['peers']} peers of the `{result['preset']}`"
         f" preset (diloco, {result['inner_steps']} inner steps per round, one torch thread each, the schedule"
         f" stretched for {result['peers']} peers) train {result['rounds']} outer rounds; in an attacked run one of the"
         " four is `benchmarks/attacks.py ATTACK`: its pseudo-gradient times -10 or 1000, Gaussian noise of its norm,"
@@ -227,6 +227,6 @@ def attacks_section(result: dict, env: dict, out: Path) -> str:
         f"{rollback_rows}\n"
         f"- Every honest peer trains on the restored state within one validation interval plus"
         f" {ROLLBACK_SLACK_S:.0f} s of the first poisoned one: "
-        + _verdict(not late, f"worst {worst['attack']}, {figure(worst['recovery_s'], '.1f')} s against"
+        + verdict(not late, f"worst {worst['attack']}, {figure(worst['recovery_s'], '.1f')} s against"
                    f" {figure(worst['validation_interval_s'], '.1f')} + {ROLLBACK_SLACK_S:.0f} s") + "\n"
     )

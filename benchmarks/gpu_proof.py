@@ -286,7 +286,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
 
 
 def new_swarm_record(args: argparse.Namespace, skipped: Optional[str]) -> dict:
-    """The record's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.bench
+    """The record's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.harness
     starts them, less their --identity, --log-dir and --name in a scratch folder) and the ratio it aims at."""
     coordinator_commands = {variant: shlex.join([
         "python", "coordinator/start.py", "--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0",

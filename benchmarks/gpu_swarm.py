@@ -140,10 +140,10 @@ def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inne
                            clock, single: Optional[dict] = None, ceiling: Optional[dict] = None) -> list[dict]:
     """A 2-peer swarm sharing the GPU in each of `variants` (keys of SWARM_VARIANTS): a coordinator of SWARM_PRESET
     and two `peers/join.py --device cuda --max-time MINUTES --batch-size BATCH --precision bf16-mixed` on loopback,
-    as benchmarks.bench's run_swarm starts them; samples/s of both peers together from their epoch events while both
-    trained (benchmarks.bench.swarm_window), and the figures of `swarm_figures` and `time_shares`. The roles' logs
+    as benchmarks.harness's run_swarm starts them; samples/s of both peers together from their epoch events while both
+    trained (benchmarks.harness.swarm_window), and the figures of `swarm_figures` and `time_shares`. The roles' logs
     are kept in `artifacts`; `clock` is gpu_proof's Clock."""
-    from benchmarks.bench import run_swarm, swarm_window
+    from benchmarks.harness import run_swarm, swarm_window
     from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
 
     options = {variant: coordinator_args(variant, inner_steps) for variant in variants}  # refuses unknown ones first

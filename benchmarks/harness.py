@@ -1,6 +1,6 @@
 """The repository's scripts started as processes, for the benchmarks, the demo and the tests: one way to start a role
 (coordinator/start.py, peers/join.py, baselines/run.py, ...), keep its output, read its events, sample its CPU and
-stop it. No role imports this.
+stop it; and a whole swarm of them (run_swarm), with what the suites read of it afterwards. No role imports this.
 
 Figures come from what the roles write for programs: their events (`--events FILE`, hivetrain.events), the
 coordinator's metrics store, and run records. Their console lines are for people; tests may check the wording.
@@ -221,3 +221,139 @@ def start_peer(work: Path, name: str, addresses: list[str], options: list[str], 
 def reached_epoch(peer: Process) -> int:
     """The newest swarm epoch the peer has reached while training (0 before its first)."""
     return max((event["epoch"] for event in peer.events("epoch")), default=0)
+
+
+# The coordinator only bootstraps and monitors (a look at the swarm every 10 s, its default) unless a suite asks it to
+# validate.
+MONITOR_ONLY = ["--validate-every", "0"]
+
+
+def validated_epoch(store: Path) -> int:
+    """The newest swarm epoch the coordinator has validated, from its metrics store (-1 before its first)."""
+    from hivetrain.metrics_store import MetricsReader, StoreMissing
+
+    try:
+        with MetricsReader(store) as reader:
+            return max((row.epoch for row in reader.validations()), default=-1)
+    except StoreMissing:
+        return -1
+
+
+def swarm_window(coordinator: Process, peers: list[Process]) -> dict:
+    """Samples/s of a swarm while all its peers train: from each peer's epoch events (its cumulative samples) between
+    the moment the last peer started training and the moment the first one stopped reaching epochs; each peer's share
+    of its training time spent in swarm rounds and state downloads, and the rounds it missed (from its leaving event);
+    and where the CPU went in that window: the peers' training processes, and everything else (their DHT, averager
+    and p2pd processes, the coordinator), in cores."""
+    started = max(peer.event("training_started")["time"] for peer in peers)
+    epochs = [[(event["time"], event["epoch"], event["samples"]) for event in peer.events("epoch")
+               if event["time"] >= started] for peer in peers]
+    if any(len(peer_epochs) < 2 for peer_epochs in epochs):
+        raise RuntimeError("a peer reached fewer than two epochs while all trained: make the window longer")
+    ended = min(peer_epochs[-1][0] for peer_epochs in epochs)
+    rate = 0.0
+    for peer_epochs in epochs:
+        inside = [epoch for epoch in peer_epochs if epoch[0] <= ended]
+        if len(inside) < 2:  # this peer's next epoch came just after the window: use its last two
+            inside = peer_epochs[-2:]
+        rate += (inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0])
+    left = [peer.event("left") for peer in peers]
+    training_cores = background_cores = 0.0
+    for role in (coordinator, *peers):
+        main, descendants = role.cpu_between(started, ended)
+        training_cores += main if role is not coordinator else 0.0
+        background_cores += descendants + (main if role is coordinator else 0.0)
+    return dict(samples_per_s=rate, window_s=ended - started,
+                epochs=max(epoch[1] for peer_epochs in epochs for epoch in peer_epochs)
+                - min(peer_epochs[0][1] for peer_epochs in epochs),
+                swarm_time_share=[event["swarm_seconds"] / event["train_seconds"] for event in left],
+                missed_rounds=sum(event["missed_rounds"] for event in left),
+                training_cores=training_cores, background_cores=background_cores)
+
+
+def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
+              timeout: float, preset: str = "demo", until: Optional[Callable[[], bool]] = None,
+              network=None, programs: Optional[dict[int, list[str]]] = None) -> tuple[Process, list[Process]]:
+    """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
+    `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
+    holds (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
+    roles, their output kept. With `network` (benchmarks.netns.LinkedNamespaces), the coordinator and peer 0 run in
+    its namespace a and peer 1 in b, so that everything between the two peers crosses its link. `programs`: by peer
+    index, what runs in place of peers/join.py (benchmarks.harness.start_peer)."""
+    roles: list[Process] = []
+    try:
+        options = [*MONITOR_ONLY, *coordinator_options]
+        if network is None:
+            coordinator, addresses = start_coordinator(work, name, options, preset)
+        else:
+            coordinator, addresses = start_coordinator(work, name, options, preset, host=network.a_ip,
+                                                       prefix=network.exec_prefix("a"))
+        roles.append(coordinator)
+        for index in range(peers):
+            side = "a" if index % 2 == 0 else "b"
+            where = [] if network is None else ["--host", network.a_ip if side == "a" else network.b_ip,
+                                                "--client-mode", "off"]
+            roles.append(start_peer(work, f"{name}-peer-{index}", addresses, [
+                "--threads", "1", "--min-peers", str(peers), "--seed", str(index), "--progress-bar", "off", *where,
+                *(option.replace("{index}", str(index)) for option in peer_options)],
+                prefix=[] if network is None else network.exec_prefix(side),
+                program=(programs or {}).get(index, ("peers/join.py",))))
+        deadline = time.monotonic() + timeout
+        while until is not None and not until():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not get where it should within {timeout:.0f} s; see {work}")
+            if any(peer.popen.poll() is not None for peer in roles[1:]):
+                raise RuntimeError(f"a peer of {name} left early; see {work}")
+            time.sleep(0.2)
+        for peer in roles[1:] if until is not None else ():
+            peer.leave()
+        for peer in roles[1:]:
+            try:
+                peer.popen.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"a peer of {name} was still running after {timeout:.0f} s; see {peer.log}")
+            if peer.popen.returncode != 0:
+                raise RuntimeError(f"a peer of {name} failed (exit code {peer.popen.returncode}); see {peer.log}")
+        # the figures read from the coordinator's store afterwards must be the peers' last: their goodbyes
+        wait_until_marked_left(work / name / "metrics.sqlite", [peer.log.stem for peer in roles[1:]], timeout=30)
+        return coordinator, roles[1:]
+    finally:
+        for role in reversed(roles):
+            role.stop()
+
+
+def wait_until_marked_left(store: Path, names: list[str], timeout: float) -> None:
+    """Wait until the coordinator's store has marked the peers called `names` left: it has read their goodbye
+    records, which carry their last figures (a peer that has exited may be gone before the coordinator's next look)."""
+    from hivetrain.metrics_store import MetricsReader
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with MetricsReader(store) as reader:
+            missing = set(names) - {peer.name for peer in reader.peers() if peer.left_at is not None}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the coordinator did not mark {', '.join(sorted(missing))} left within {timeout:.0f} s"
+                               f" of their exit; see {store}")
+        time.sleep(0.5)
+
+
+def evaluate_weights(paths: list[Path]) -> list[float]:
+    """Validation top-1 of weights saved by peers (--save-weights), on the demo preset's whole validation split."""
+    import dataclasses
+
+    from hivetrain.config import get_preset
+    from hivetrain.data import make_datamodule
+    from hivetrain.evaluate import evaluate
+    from hivetrain.model import create_model, load_weights
+
+    config = get_preset("demo")
+    data = make_datamodule(config)
+    data.setup()
+    model = create_model(dataclasses.replace(config.model, pretrained=False))
+    top1 = []
+    for path in paths:
+        load_weights(path, model)
+        top1.append(evaluate(model, data.val_dataloader())["top1"])
+    return top1

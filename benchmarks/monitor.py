@@ -28,7 +28,7 @@ def monitor_suite(work: Path, smoke: bool) -> dict:
 def monitor_run(work: Path, count: int, window_s: float) -> dict:
     """A coordinator (a look every 2 s) and `count` publishers: its looks, the peers it counted and its CPU and
     memory over `window_s` seconds once every simulated peer has published."""
-    from benchmarks.bench import MONITOR_ONLY
+    from benchmarks.harness import MONITOR_ONLY
     from hivetrain.metrics_store import MetricsReader
 
     name = f"monitor-{count}"
@@ -72,7 +72,7 @@ def monitor_run(work: Path, count: int, window_s: float) -> dict:
 
 
 def monitor_section(result: dict, env: dict, out: Path) -> str:
-    from benchmarks.bench import _measured_by, _verdict
+    from benchmarks.report import measured_by, verdict
     from hivetrain.swarm import RECORD_LIFETIME
     from hivetrain.telemetry import PEER_RECORD_TTL, PUBLISH_EVERY
 
@@ -83,7 +83,7 @@ def monitor_section(result: dict, env: dict, out: Path) -> str:
     largest = max(result["results"], key=lambda r: r["publishers"])
     return (
         "## monitor\n\n"
-        f"{_measured_by(env)} A coordinator (no validation, a look every 2 s) and N lightweight"
+        f"{measured_by(env)} A coordinator (no validation, a look every 2 s) and N lightweight"
         f" publishers (`benchmarks/publishers.py`, {result['per_process']} per process): DHT-only stand-ins for"
         f" peers that store a signed metrics record and a signed hivemind progress record every {PUBLISH_EVERY:.0f} s"
         f" (±20%), each under its own key, with the lifetimes real peers use ({PEER_RECORD_TTL:.0f} s and"
@@ -95,6 +95,6 @@ def monitor_section(result: dict, env: dict, out: Path) -> str:
         " coordinator CPU % | coordinator RSS (MiB) |\n|---:|---:|---:|---:|---:|---:|---:|\n"
         f"{rows}\n"
         "Target: a look under 1 s with 256 publishers "
-        + _verdict(largest["publishers"] >= 256 and largest["look_max_s"] < 1,
+        + verdict(largest["publishers"] >= 256 and largest["look_max_s"] < 1,
                    f"slowest {largest['look_max_s']:.2f} s with {largest['publishers']}") + "\n"
     )

@@ -89,7 +89,7 @@ def swarm_run(work: Path, name: str, peers: int, group: int | None, window_s: fl
     coordinator, validating every epoch, holds a state of epoch 2 as in a real run): what each costs over `window_s`
     seconds (none: 0); then, with `alone`, one joiner by itself, and with `joiners`, that many started at once: each
     one's times and the state downloads each holder answered while they joined."""
-    from benchmarks.bench import MONITOR_ONLY, validated_epoch
+    from benchmarks.harness import MONITOR_ONLY, validated_epoch
     from hivetrain.metrics_store import MetricsReader
 
     store = work / name / "metrics.sqlite"

@@ -257,7 +257,8 @@ def _run(args: argparse.Namespace) -> int:
     import torch
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from hivetrain.checkpoint import CheckpointError, load_checkpoint, open_store
+    from hivetrain.checkpoint import CheckpointError
+    from hivetrain.checkpoint_location import load_checkpoint, open_store
     from hivetrain.model import choose_device
     from hivetrain.data import DatasetUnavailable, make_datamodule
     from hivetrain.metrics_store import MetricsWriter, StoreError
@@ -266,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.access import OWN_GRANT_LIFETIME, RunAuthorizer, issue_grant, load_key
     from hivetrain.hivemind_internals import identity_key, sign_records_with
     from hivetrain.reachability import serve_dial_back
-    from hivetrain.record_guard import guard_run_keys
+    from hivetrain.run_record import guard_run_keys
     from hivetrain.swarm import DHTOptions, SwarmError, listen_maddr, one_line_per_event, start_dht
 
     if not args.verbose:

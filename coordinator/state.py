@@ -24,7 +24,8 @@ from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.outer_state import OuterState, outer_state_prefix
-from hivetrain.strategy import COMPRESSION, copy_into_offloaded, optimizer_recipe
+from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe
+from hivetrain.swarm_options import COMPRESSION
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
 
 logger = logging.getLogger(__name__)

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 # their arguments and print help) must not pay for hivemind and Lightning.
 _LAZY_EXPORTS = {
     "HivemindStrategy": "hivetrain.strategy",
-    "HivemindOptions": "hivetrain.strategy",
+    "HivemindOptions": "hivetrain.swarm_options",
     "DHTOptions": "hivetrain.swarm",
 }
 
 __all__ = sorted(_LAZY_EXPORTS)
 
 if TYPE_CHECKING:
-    from hivetrain.strategy import HivemindOptions, HivemindStrategy
+    from hivetrain.strategy import HivemindStrategy
+    from hivetrain.swarm_options import HivemindOptions
     from hivetrain.swarm import DHTOptions
 
 

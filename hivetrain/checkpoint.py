@@ -1,4 +1,5 @@
-"""Checkpoints: one self-verifying bundle per save, kept in a local folder or an S3 bucket (hivetrain.s3_store).
+"""Checkpoints: one self-verifying bundle per save, kept in a local folder (here) or an S3 bucket (hivetrain.s3_store);
+hivetrain.checkpoint_location opens either from a path or an s3:// URI.
 
 A checkpoint is a single uncompressed tar `ckpt-<epoch:06d>.tar` holding
     manifest.json        format, run_id, fingerprint, epoch, and the sha256 + size of each file below
@@ -11,9 +12,9 @@ The manifest's hashes are the one end-to-end integrity check: every load verifie
 One file makes a save atomic everywhere: files.atomic_write locally, a single object in S3. `best.json` beside the
 checkpoints names the best one and is replaced the same way once the checkpoint it names is complete.
 
-    store = open_store("s3://bucket/runs/demo")          # or a local folder
+    store = LocalCheckpointStore("runs/demo/checkpoints")
     store.save(Checkpoint.from_model(model, config, epoch, metrics, optimizer, scheduler), best=True)
-    checkpoint = load_checkpoint("s3://bucket/runs/demo")  # the best one; or a .tar path / s3://.../ckpt-000012.tar
+    checkpoint = store.load()  # the best one
 """
 
 from __future__ import annotations
@@ -228,11 +229,13 @@ class CheckpointStore:
         return [name for name in old if name != best]
 
 
-def _best_record(name: str, top1: float | None) -> bytes:
+def best_record(name: str, top1: float | None) -> bytes:
+    """The contents of a store's best marker (BEST), naming checkpoint `name`."""
     return json.dumps(dict(name=name, epoch=epoch_of(name), top1=top1, time=time.time())).encode()
 
 
-def _best_name(record: bytes | None, where: str) -> str | None:
+def best_name(record: bytes | None, where: str) -> str | None:
+    """The checkpoint a best marker names, or None (no marker; an unreadable one is ignored with a warning)."""
     try:
         return json.loads(record)["name"] if record is not None else None
     except (ValueError, KeyError, TypeError) as e:
@@ -249,7 +252,7 @@ class LocalCheckpointStore(CheckpointStore):
     def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
         path = write_checkpoint(checkpoint, self.root / checkpoint_name(checkpoint.epoch))
         if best:
-            atomic_write(self.root / BEST, _best_record(path.name, checkpoint.metrics.get("top1")))
+            atomic_write(self.root / BEST, best_record(path.name, checkpoint.metrics.get("top1")))
         for name in self._to_delete([p.name for p in self._paths()], self._best()):
             (self.root / name).unlink(missing_ok=True)
         return str(path)
@@ -258,7 +261,7 @@ class LocalCheckpointStore(CheckpointStore):
         return sorted((p for p in self.root.iterdir() if NAME_RE.match(p.name)), key=lambda p: epoch_of(p.name))
 
     def _best(self) -> str | None:
-        name = _best_name((self.root / BEST).read_bytes() if (self.root / BEST).exists() else None, self.root / BEST)
+        name = best_name((self.root / BEST).read_bytes() if (self.root / BEST).exists() else None, self.root / BEST)
         return name if isinstance(name, str) and NAME_RE.match(name) and (self.root / name).is_file() else None
 
     def best_uri(self) -> str | None:
@@ -272,31 +275,3 @@ class LocalCheckpointStore(CheckpointStore):
 
     def _load(self, uri: str) -> Checkpoint:
         return read_checkpoint(uri)
-
-
-def open_store(uri_or_path: str | Path, keep_last: int | None = 5, endpoint_url: str | None = None,
-               options: Any = None) -> CheckpointStore:
-    """A store on a local folder or on `s3://bucket/prefix` (hivetrain.s3_store; `options`: its S3Options)."""
-    if str(uri_or_path).startswith("s3://"):
-        from hivetrain.s3_store import S3CheckpointStore, parse_s3_uri
-
-        bucket, prefix = parse_s3_uri(str(uri_or_path))
-        return S3CheckpointStore(bucket, prefix, endpoint_url=endpoint_url, keep_last=keep_last, options=options)
-    return LocalCheckpointStore(uri_or_path, keep_last=keep_last)
-
-
-def load_checkpoint(uri_or_path: str | Path, endpoint_url: str | None = None) -> Checkpoint:
-    """Load and verify one checkpoint: a .tar path or s3://bucket/.../ckpt-N.tar; a folder or s3://bucket/prefix
-    loads that store's best checkpoint (else its newest)."""
-    text = str(uri_or_path)
-    if text.startswith("s3://"):
-        from hivetrain.s3_store import S3CheckpointStore, S3Options, parse_s3_uri
-
-        bucket, key = parse_s3_uri(text)
-        is_object = NAME_RE.match(key.rpartition("/")[2]) is not None
-        # Reading only: leave whatever a running coordinator staged on this machine to that coordinator.
-        with S3CheckpointStore(bucket, key.rpartition("/")[0] if is_object else key, endpoint_url, keep_last=None,
-                               options=S3Options(resume_pending=False)) as store:
-            return store.load(text if is_object else None)
-    path = Path(text).expanduser()
-    return LocalCheckpointStore(path, keep_last=None).load() if path.is_dir() else read_checkpoint(path)

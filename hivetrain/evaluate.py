@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     # Imported here, not at the top: `from hivetrain.evaluate import evaluate` stays free of boto3 and Lightning.
-    from hivetrain.checkpoint import CheckpointError, load_checkpoint
+    from hivetrain.checkpoint import CheckpointError
+    from hivetrain.checkpoint_location import load_checkpoint
     from hivetrain.data import DatasetUnavailable, make_datamodule
 
     parser = argparse.ArgumentParser(prog="python -m hivetrain.evaluate", description=main.__doc__)

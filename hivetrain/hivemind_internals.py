@@ -442,7 +442,7 @@ class _BoundedDownloads(JoinsStateServer):
 
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
-    # Reports a refused state (epoch, bound): hivetrain.strategy.CoordinatorWatch makes it a rate-limited warning.
+    # Reports a refused state (epoch, bound): hivetrain.clock.bound_downloads makes it a rate-limited warning.
     refused_state: Callable[[int, int], None] = staticmethod(
         lambda epoch, bound: logger.warning(f"Skipping a downloaded state of epoch {epoch}, beyond {bound}"))
 

@@ -23,8 +23,8 @@ Three defences, all here:
 
 1. RecordGuard, a record validator for the run's keys, refuses on arrival what no reader could use: oversized values,
    expirations beyond a sane horizon, plain values under per-peer keys, entries without a valid owner signature or of
-   the wrong shape. `guard_run_keys` adds it once a process knows its run, and drops from the node's own storage
-   whatever the node took in before it had the guard.
+   the wrong shape. `guard_run_keys` (hivetrain.run_record) adds it once a process knows its run, and drops from the
+   node's own storage whatever the node took in before it had the guard.
 2. The readers (hivetrain.swarm.read_records, VettedProgressTracker for hivemind's tracker) skip entries they cannot
    use, one by one, whatever the node let in.
 3. Each skipped record is reported with a rate-limited warning: once per key and reason per WARN_EVERY seconds, with
@@ -268,32 +268,6 @@ class RecordGuard(RecordValidatorBase):
         return True
 
 
-def run_key_rules(run_id: str) -> list[KeyRule]:
-    """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, the
-    coordinator's rollback record, and the state-sharing declarations and matchmaking key of each of its averagers."""
-    # Imported here: those modules import this one.
-    from hivetrain.clock import clock_rules
-    from hivetrain.rollback import rollback_rules
-    from hivetrain.run_record import RUN_KEY, RunRecord
-    from hivetrain.telemetry import PeerRecord, metrics_key, progress_key
-
-    rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
-             KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id),
-             *clock_rules(run_id)]
-    # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
-    # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread
-    # while this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two
-    # agree.
-    # HiveTrain's averagers start without group bits (hivetrain.swarm.group_matchmaking), and hivemind adds bits only to
-    # a key that has some: with or without a group size cap, an averager's matchmaking key is `<prefix>.0b`, but for
-    # the rounds of a robust diloco run.
-    for prefix in (f"{run_id}_grad_averager", f"{run_id}_state_averager", f"{run_id}_outer"):
-        rules += [KeyRule(f"{prefix}.all_averagers", "state_sharing"), KeyRule(f"{prefix}.0b", "matchmaking")]
-    # A robust diloco run's rounds match under the round's last two bits (hivetrain.outer_state.OuterState._outer_step).
-    rules += [KeyRule(f"{run_id}_outer.0b{bits:02b}", "matchmaking") for bits in range(4)]
-    return rules
-
-
 _added: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHT -> names of the validators added to it
 
 
@@ -324,11 +298,6 @@ def guard_keys(dht: hivemind.DHT, rules: list[KeyRule], timeout: float = 10.0) -
     except Exception as e:  # the DHT is shutting down: nothing left to protect
         logger.debug(f"Could not clean the DHT node's storage: {type(e).__name__}: {e}")
         return 0
-
-
-def guard_run_keys(dht: hivemind.DHT, run_id: str) -> int:
-    """guard_keys for every key run `run_id` reads: call it as soon as a process knows its run."""
-    return guard_keys(dht, run_key_rules(run_id))
 
 
 async def _drop_refused_records(key_ids: list[bytes], _dht: hivemind.DHT, node) -> int:

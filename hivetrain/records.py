@@ -281,7 +281,8 @@ def store_checkpoint(weights_path: str | Path, config: RunConfig, epoch: int, me
     returns the URI the record keeps. The same store the coordinator uses, so --checkpoint-store s3://... works."""
     from safetensors.torch import load_file
 
-    from hivetrain.checkpoint import Checkpoint, open_store
+    from hivetrain.checkpoint import Checkpoint
+    from hivetrain.checkpoint_location import open_store
 
     checkpoint = Checkpoint(config=config, epoch=epoch, weights=load_file(str(weights_path)), metrics=metrics,
                             optimizer=None, scheduler=None)

@@ -22,7 +22,6 @@ from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
 from hivetrain.clock import WATCH_EVERY, RecordWatcher, coordinator_records
 from hivetrain.record_guard import KeyRule, guard_keys, warn_skipped
-from hivetrain.run_record import RUN_RECORD_TTL
 from hivetrain.swarm import DHT_READ_TIMEOUT
 
 logger = logging.getLogger(__name__)
@@ -30,6 +29,7 @@ logger = logging.getLogger(__name__)
 # Rounds (swarm epochs) the rolled-back state is numbered ahead of the swarm's latest: a peer that finishes one more
 # round before it sees the record is still behind it, so it takes the rolled-back state rather than its own.
 ROUNDS_AHEAD = 3
+ROLLBACK_TTL = 60.0  # seconds a rollback record lives unless the coordinator refreshes it (as its run record)
 
 
 def rollback_key(run_id: str) -> str:
@@ -50,7 +50,7 @@ def rollback_rules(run_id: str) -> list[KeyRule]:
     return [KeyRule(rollback_key(run_id), "signed", RollbackRecord)]
 
 
-def publish_rollback(dht: hivemind.DHT, record: RollbackRecord, ttl: float = RUN_RECORD_TTL) -> bool:
+def publish_rollback(dht: hivemind.DHT, record: RollbackRecord, ttl: float = ROLLBACK_TTL) -> bool:
     """Store `record` under the run's rollback key, signed with this process's key as the run record is (the
     coordinator refreshes both alike). Returns hivemind's answer: that of the last node to reply."""
     guard_keys(dht, rollback_rules(record.run_id))

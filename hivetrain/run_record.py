@@ -24,12 +24,16 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
 from hivetrain.config import RunConfig
 from hivetrain.hivemind_internals import SIGNED_SUBKEY_RE
-from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys, guard_run_keys, warn_skipped
+from hivetrain.clock import clock_rules
+from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys, warn_skipped
+from hivetrain.rollback import rollback_rules
 from hivetrain.swarm import SwarmError, read_signed_records
+from hivetrain.telemetry import PeerRecord, metrics_key, progress_key
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +142,31 @@ def fetch_run(dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: li
     # From here on this node refuses what the run's readers could not use, and forgets what it took in before.
     guard_run_keys(dht, config.run_id)
     return PinnedRun(config, signer, peer_id if peer_id in pins else None)
+
+
+def run_key_rules(run_id: str) -> list[KeyRule]:
+    """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, the
+    coordinator's rollback record, and the state-sharing declarations and matchmaking key of each of its averagers."""
+    rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
+             KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id),
+             *clock_rules(run_id)]
+    # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
+    # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread
+    # while this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two
+    # agree.
+    # HiveTrain's averagers start without group bits (hivetrain.swarm.group_matchmaking), and hivemind adds bits only to
+    # a key that has some: with or without a group size cap, an averager's matchmaking key is `<prefix>.0b`, but for
+    # the rounds of a robust diloco run.
+    for prefix in (f"{run_id}_grad_averager", f"{run_id}_state_averager", f"{run_id}_outer"):
+        rules += [KeyRule(f"{prefix}.all_averagers", "state_sharing"), KeyRule(f"{prefix}.0b", "matchmaking")]
+    # A robust diloco run's rounds match under the round's last two bits (hivetrain.outer_state.OuterState._outer_step).
+    rules += [KeyRule(f"{run_id}_outer.0b{bits:02b}", "matchmaking") for bits in range(4)]
+    return rules
+
+
+def guard_run_keys(dht: hivemind.DHT, run_id: str) -> int:
+    """guard_keys for every key run `run_id` reads: call it as soon as a process knows its run."""
+    return guard_keys(dht, run_key_rules(run_id))
 
 
 def _add_run_record_validators(dht: hivemind.DHT) -> None:

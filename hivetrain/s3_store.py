@@ -2,7 +2,7 @@
 checksums; this adds the durable upload queue that outlives an outage, the best marker and pruning. Only the
 coordinator and tools that read S3 checkpoints import it (the `coordinator` extra brings boto3).
 
-    store = open_store("s3://bucket/runs/demo")   # hivetrain.checkpoint.open_store
+    store = open_store("s3://bucket/runs/demo")   # hivetrain.checkpoint_location.open_store
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from hivetrain.checkpoint import (BEST, NAME_RE, Checkpoint, CheckpointEntry, CheckpointError, CheckpointNotFound,
-                                  CheckpointStore, _best_name, _best_record, checkpoint_name, epoch_of, peek_metrics,
+                                  CheckpointStore, best_name, best_record, checkpoint_name, epoch_of, peek_metrics,
                                   read_checkpoint, write_checkpoint)
 from hivetrain.files import atomic_write
 
@@ -158,7 +158,7 @@ class S3CheckpointStore(CheckpointStore):
                 Metadata=metadata, ChecksumAlgorithm="CRC32", ContentType="application/x-tar"))
             if self._marker(path).exists():
                 self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), ContentType="application/json",
-                                    Body=_best_record(path.name, metrics.get("top1")), ChecksumAlgorithm="CRC32")
+                                    Body=best_record(path.name, metrics.get("top1")), ChecksumAlgorithm="CRC32")
             for name in self._to_delete(list(self._objects()), self._best()):
                 self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
             after = path.stat()
@@ -219,7 +219,7 @@ class S3CheckpointStore(CheckpointStore):
         if staged := [p for p in self._staged() if self._marker(p).exists()]:  # the newest best still waits for S3
             return staged[-1].name
         try:
-            return _best_name(self._s3.get_object(Bucket=self.bucket, Key=self._key(BEST))["Body"].read(), BEST)
+            return best_name(self._s3.get_object(Bucket=self.bucket, Key=self._key(BEST))["Body"].read(), BEST)
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None

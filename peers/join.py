@@ -275,6 +275,7 @@ def _import_training_stack() -> None:
     import hivetrain.data  # noqa: F401
     import hivetrain.model  # noqa: F401
     import hivetrain.module  # noqa: F401
+    import hivetrain.diloco_ddp  # noqa: F401
     import hivetrain.strategy  # noqa: F401
     import peers.progress  # noqa: F401
 
@@ -296,7 +297,9 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
     from hivetrain.speedups import apply_tf32, inner_loop_speedups
-    from hivetrain.strategy import DiLoCoDDPStrategy, HivemindOptions, HivemindStrategy
+    from hivetrain.diloco_ddp import DiLoCoDDPStrategy
+    from hivetrain.strategy import HivemindStrategy
+    from hivetrain.swarm_options import HivemindOptions
     from peers.progress import SwarmProgress
 
     speaks = dht is not None  # the peer's voice: one device, or rank 0 of several

@@ -21,7 +21,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.harness import ROOT, Process, run_baseline, start_coordinator, start_peer
+from benchmarks.harness import ROOT, Process, run_baseline, start_coordinator, start_peer, wait_until_marked_left
 from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
 
 # Local steps of 32 samples per peer between rounds: 2 peers x 16 x 32 = 1,024 samples per round, about a second of
@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         codes = [peer.wait(timeout=None) for peer in peers]
         wall_time = time.monotonic() - started
         sampler.stop()
-        time.sleep(5)  # one more look of the monitor (every 2 s) records the peers' last records
+        # the figures read from the store afterwards are the peers' last: the monitor has read their goodbyes
+        wait_until_marked_left(workdir / "metrics.sqlite", ["peer1", "peer2"], timeout=30)
     except KeyboardInterrupt:
         print("Stopping the demo.", flush=True)
         return 130

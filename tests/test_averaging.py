@@ -13,7 +13,8 @@ from hivetrain.hivemind_internals import RobustAveraging
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.robust import RobustAggregation
-from hivetrain.strategy import HivemindOptions, wrap_optimizer
+from hivetrain.swarm_optimizer import wrap_optimizer
+from hivetrain.swarm_options import HivemindOptions
 from hivetrain.swarm import DHTOptions, start_dht
 
 

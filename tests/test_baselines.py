@@ -215,7 +215,7 @@ def test_best_checkpoint_goes_to_the_s3_store(s3, tmp_path):
     """--checkpoint-store s3://... puts the best checkpoint in the same store the coordinator uses."""
     from conftest import BUCKET
 
-    from hivetrain.checkpoint import load_checkpoint
+    from hivetrain.checkpoint_location import load_checkpoint
 
     args = [sys.executable, "baselines/run.py", "--strategy", "single", "--preset", "demo", "--threads", "1",
             "--batch-size", "256", "--epochs", "1", "--val-limit", "64", "--progress-bar", "off",

@@ -18,15 +18,15 @@ import torch
 from conftest import BUCKET
 from s3server import SeaweedS3, free_ports
 
-from hivetrain.checkpoint import Checkpoint, CheckpointCorrupted, CheckpointError, LocalCheckpointStore, load_checkpoint, \
-    read_checkpoint
-from hivetrain.s3_store import MiB, S3CheckpointStore, S3Options
+from hivetrain.checkpoint import Checkpoint, CheckpointCorrupted, CheckpointError, LocalCheckpointStore, read_checkpoint
+from hivetrain.checkpoint_location import load_checkpoint
 from hivetrain.config import RunConfig, get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate
 from hivetrain.evaluate import main as evaluate_main
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
+from hivetrain.s3_store import MiB, S3CheckpointStore, S3Options
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -63,7 +63,8 @@ def test_no_initial_peers_at_all(spawn):
 
 
 def test_strategy_dht_uses_environment(monkeypatch, demo_coordinator):
-    from hivetrain.strategy import HivemindOptions, HivemindStrategy
+    from hivetrain.strategy import HivemindStrategy
+    from hivetrain.swarm_options import HivemindOptions
 
     monkeypatch.setenv(INITIAL_PEERS_ENV, ",".join(demo_coordinator))
     strategy = HivemindStrategy(HivemindOptions(run_id="cli-test", target_batch_size=64, batch_size=32),

@@ -14,7 +14,8 @@ from hivetrain.config import PRESETS, RunConfig, get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.model import PretrainedWeightsUnavailable, create_model
 from hivetrain.module import ImageClassifier, warmup_cosine
-from hivetrain.strategy import HivemindOptions, HivemindStrategy
+from hivetrain.strategy import HivemindStrategy
+from hivetrain.swarm_options import HivemindOptions
 from hivetrain.swarm import DHTOptions
 
 

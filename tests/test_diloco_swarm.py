@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import Process, start_coordinator
-from hivetrain.checkpoint import load_checkpoint
+from hivetrain.checkpoint_location import load_checkpoint
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights

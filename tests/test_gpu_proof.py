@@ -251,7 +251,7 @@ def test_ceiling_output_must_end_with_its_json_result():
 
 
 class FakeRole:
-    """What benchmarks.bench.swarm_window reads of a role that ran: its events and its CPU samples."""
+    """What benchmarks.harness.swarm_window reads of a role that ran: its events and its CPU samples."""
 
     def __init__(self, events: list[dict]):
         self._events = events
@@ -275,8 +275,8 @@ def _fake_peer(now: float, lag: float, wait_seconds: float) -> FakeRole:
 
 
 def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its_page(tmp_path, monkeypatch):
-    import benchmarks.bench
     import benchmarks.gpu_monitor
+    import benchmarks.harness
 
     artifacts = tmp_path / "records" / "gpu-proof-test"
     clock = gpu_proof.Clock()
@@ -311,7 +311,7 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
             return [dict(time_s=now + t, gpu=0, util_percent=u, memory_used_bytes=2**34)
                     for t, u in ((-150, 0.0), (-80, 94.0), (-50, 96.0), (-20, 95.0), (100, 0.0))]
 
-    monkeypatch.setattr(benchmarks.bench, "run_swarm", fake_run_swarm)
+    monkeypatch.setattr(benchmarks.harness, "run_swarm", fake_run_swarm)
     monkeypatch.setattr(benchmarks.gpu_monitor, "NvmlSeries", FakeNvmlSeries)
     record = json.loads(EXAMPLE_RECORD.read_text())
     single = dict(record["precisions"][1]["single"], batch_size=1024, train_samples_per_s=7200.0)

@@ -10,7 +10,8 @@ from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
-from hivetrain.strategy import HivemindOptions, wrap_optimizer
+from hivetrain.swarm_optimizer import wrap_optimizer
+from hivetrain.swarm_options import HivemindOptions
 from hivetrain.swarm import DHTOptions, start_dht
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -32,10 +32,9 @@ from hivetrain.config import get_preset
 from hivetrain.diloco import RoundTracker
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.outer_state import outer_state_prefix
-from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, guard_run_keys, \
-    usable_entries, vetted
-from hivetrain.strategy import SwarmOptimizer
-from hivetrain.run_record import RUN_KEY, fetch_run, publish_run_config
+from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, usable_entries, vetted
+from hivetrain.run_record import RUN_KEY, fetch_run, guard_run_keys, publish_run_config
+from hivetrain.swarm_optimizer import SwarmOptimizer
 from hivetrain.swarm import read_records
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record, read_peer_records, \
     read_swarm_progress

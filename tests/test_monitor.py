@@ -10,7 +10,8 @@ import torch
 from hivemind.utils import get_dht_time
 
 from coordinator.monitor import SwarmMonitor, Validator
-from hivetrain.checkpoint import LocalCheckpointStore, load_checkpoint
+from hivetrain.checkpoint import LocalCheckpointStore
+from hivetrain.checkpoint_location import load_checkpoint
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate

@@ -20,7 +20,7 @@ from hivetrain.model import create_model
 from hivetrain.module import ImageClassifier, make_optimizer
 from hivetrain.records import RunRecord, read_record
 from hivetrain.speedups import apply_tf32, inner_loop_speedups
-from hivetrain.strategy import _fused_on_cuda_only, optimizer_recipe
+from hivetrain.swarm_optimizer import _fused_on_cuda_only, optimizer_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = get_preset("demo")

@@ -12,7 +12,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain import DHTOptions, HivemindOptions, HivemindStrategy
-from hivetrain.strategy import wrap_optimizer
+from hivetrain.swarm_optimizer import wrap_optimizer
 from hivetrain.swarm import start_dht
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_package_exports_the_strategy_without_importing_it_for_config():
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["[]", "True", "hivetrain.swarm", "hivetrain.strategy"]
+    assert result.stdout.split() == ["[]", "True", "hivetrain.swarm", "hivetrain.swarm_options"]
 
 
 class _Regression(pl.LightningModule):

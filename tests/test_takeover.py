@@ -27,8 +27,8 @@ from hivetrain.hivemind_internals import BoundedStateAverager, write_identity
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.model import create_model, parameter_count
 from hivetrain.outer_state import OuterState
-from hivetrain.record_guard import VettedProgressTracker, guard_run_keys
-from hivetrain.run_record import RUN_KEY, RunRecord, fetch_run, publish_run_config, signer_peer_id
+from hivetrain.record_guard import VettedProgressTracker
+from hivetrain.run_record import RUN_KEY, RunRecord, fetch_run, guard_run_keys, publish_run_config, signer_peer_id
 from hivetrain.swarm import DHTOptions, SwarmError, start_dht
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record
 

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from hivetrain.module import ImageClassifier
-from hivetrain.strategy import DiLoCoDDPStrategy
+from hivetrain.diloco_ddp import DiLoCoDDPStrategy
 from peers import join
 from peers.progress import SwarmProgress
 

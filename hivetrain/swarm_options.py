@@ -1,0 +1,56 @@
+"""How a peer takes part in the swarm, as our Lightning strategies take it (HivemindOptions), and the compressions
+the swarm's transfers may use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+
+from hivetrain.config import SwarmConfig
+
+
+COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "8bit": Uniform8BitQuantization,
+}
+
+
+@dataclass
+class HivemindOptions:
+    run_id: str
+    target_batch_size: int  # samples the swarm accumulates per optimizer step
+    batch_size: int  # this peer's samples per local step
+    matchmaking_time: float = 3.0
+    averaging_timeout: float = 30.0
+    next_chunk_timeout: float = 5.0  # seconds before a silent peer's remaining parts are averaged without it
+    grad_compression: str = "none"  # "none", "fp16", "8bit"
+    state_compression: str = "none"  # for parameter averaging and state downloads
+    average_state_every: int = 1  # swarm epochs between parameter averaging rounds
+    delay_state_averaging: bool = False  # average parameters in the background (one epoch stale)
+    delay_optimizer_step: bool = False  # run the optimizer in the background (needs offload_optimizer)
+    delay_grad_averaging: bool = False  # average gradients in the background (needs delay_optimizer_step)
+    offload_optimizer: bool = True  # keep optimizer state and a master copy of parameters in host memory
+    reuse_grad_buffers: bool = False  # accumulate in .grad (saves memory); forced on for fp16 with hivemind's scaler
+    load_state_timeout: float = 60.0
+    verbose: bool = False  # hivemind's own progress messages
+    # "sync": gradients averaged every swarm step (hivemind.Optimizer). "diloco": each peer takes about inner_steps
+    # steps of its own optimizer, then the peers average the pseudo-gradient and take an outer SGD step with Nesterov
+    # momentum (hivetrain.diloco); the gradient fields above (compression, delays, offload) are then unused but
+    # grad_compression, which applies to the pseudo-gradient.
+    mode: str = "sync"
+    inner_steps: int = 50
+    overlap_rounds: bool = False  # diloco: each round in the background while the next inner steps run
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # How each all-reduce part combines the peers' copies (hivetrain.robust): "none" (hivemind's weighted mean),
+    # "centered-clip" or "trimmed-mean", in both modes.
+    robust_aggregation: str = "none"
+    clip_radius: float = SwarmConfig.clip_radius
+    trim_fraction: float = SwarmConfig.trim_fraction
+    target_group_size: Optional[int] = None  # G: average in groups of at most G peers (None: one group), either mode
+    # The subkey the run record was signed under (hivetrain.run_record.fetch_run): this peer goes back to the best
+    # validated state when a rollback record signed by it says so (hivetrain.rollback). None: no rollbacks.
+    coordinator_key: Optional[bytes] = None
