@@ -186,6 +186,14 @@ class SwarmSchedule(torch.optim.lr_scheduler.LRScheduler):
         self.last_epoch = 0  # swarm epochs stepped
         self._step_count = 1  # hivemind steps while _step_count <= its epoch, as for a scheduler that took its first
         self._apply()
+        self._start = self.state_dict()
+
+    def rewind_to(self, epoch: int) -> None:
+        """Stand at swarm epoch `epoch` again, from the start: hivemind only ever steps a schedule forward, and a peer
+        that trained ahead alone (hivetrain.coordinator_watch) goes back to the swarm's epoch."""
+        self.load_state_dict(self._start)
+        while self.last_epoch < epoch:
+            self.step()
 
     def get_lr(self) -> list[Any]:
         return [group["lr"] for group in self.groups.param_groups]
