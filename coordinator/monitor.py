@@ -13,10 +13,11 @@ from statistics import mean
 from typing import Callable, Optional, Sequence
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 from torch.utils.data import DataLoader
 
 from hivetrain.checkpoint import CheckpointError, CheckpointStore
-from hivetrain.clock import swarm_epoch
+from hivetrain.clock import read_clock, swarm_epoch
 from hivetrain.config import RunConfig
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
@@ -42,7 +43,11 @@ class SwarmMonitor:
     def refresh(self) -> SwarmSnapshot:
         """Read every peer's record and hivemind's progress, aggregate, and record both."""
         now = time.time()
-        counted = self.epoch
+        # A coordinator restarted on its identity goes on from the count it published before (its signed clock
+        # lives on in the swarm a while), not from 0: peers read a count that goes back as a restart, but a lone
+        # peer far ahead of 0 would never move it (hivetrain.clock.swarm_epoch).
+        published = read_clock(self.dht, self.config.run_id, RSASignatureValidator().local_public_key)
+        counted = max(self.epoch, published.epoch if published is not None else 0)
         records = read_peer_records(self.dht, self.config.run_id, self.owners)
         progress = read_swarm_progress(self.dht, self.config.run_id, counted)
         # Seen, first seen and left by this look's clock, never by a peer's (its `time` may be anything: a record

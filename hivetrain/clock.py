@@ -139,7 +139,11 @@ class RecordWatcher(Generic[T]):
                     if value != self._latest:
                         self._changed_at = time.monotonic()
                     self._latest = value
+                    self._seen(value)
             self._stop.wait(self.every)
+
+    def _seen(self, value: T) -> None:
+        """Called with each answer kept, under the lock: what a subclass remembers of them."""
 
     @property
     def latest(self) -> Optional[T]:
@@ -161,15 +165,24 @@ class ClockWatcher(RecordWatcher[ClockRecord]):
     """A peer's watch on the coordinator's clock; `bound()` is the highest epoch (round) a claim may name, or None
     before the first clock was read."""
 
+    _highest = 0  # the highest count read
+
     def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes, every: float = WATCH_EVERY):
         super().__init__(lambda: read_clock(dht, run_id, coordinator_key), "clock-watcher", every)
 
     def bound(self) -> Optional[int]:
-        latest = self.latest
-        return None if latest is None else latest.epoch + EPOCHS_AHEAD
+        """From the highest count read: a restarted coordinator says 0 until it has counted the swarm again."""
+        with self._lock:
+            return None if self._latest is None else self._highest + EPOCHS_AHEAD
 
     def fresh_count(self) -> Optional[int]:
         """The coordinator's count when a new one arrived within CLOCK_FRESH seconds (the coordinator publishes one
-        at each look; a peer cut off from the swarm reads the last one it had, as old as the cut), or None."""
+        at each look; a peer cut off from the swarm reads the last one it had, as old as the cut) and it is no lower
+        than one read before (a coordinator restarted without its count says 0 until it has counted again), or
+        None."""
         latest = self.latest
-        return latest.epoch if latest is not None and self.unchanged_for() < CLOCK_FRESH else None
+        fresh = latest is not None and self.unchanged_for() < CLOCK_FRESH and latest.epoch >= self._highest
+        return latest.epoch if fresh else None
+
+    def _seen(self, value: ClockRecord) -> None:
+        self._highest = max(self._highest, value.epoch)

@@ -6,7 +6,9 @@ A peer cut off from the swarm trains on alone, and a lone peer's epochs come fas
 cut off for 100 s was 240 epochs ahead of the others when its link came back. The others skip a record that far
 beyond the clock, and a peer ahead of everyone never downloads: it trained on alone for good, beside the swarm.
 Back online it finds itself beyond the clock, and it is the one to take the swarm's state (ran_ahead), dropping
-what it trained alone; a majority of the swarm, not one peer, sets where the run is.
+what it trained alone; a majority of the swarm, not one peer, sets where the run is. It acts on a count that changed
+lately and did not go back (ClockWatcher.fresh_count): one still cut off reads the count it had, and a coordinator
+restarted without its count says 0 until it has counted the swarm again.
 """
 
 from __future__ import annotations

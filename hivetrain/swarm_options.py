@@ -3,8 +3,9 @@ the swarm's transfers may use."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
@@ -54,3 +55,10 @@ class HivemindOptions:
     # The subkey the run record was signed under (hivetrain.run_record.fetch_run): this peer goes back to the best
     # validated state when a rollback record signed by it says so (hivetrain.rollback). None: no rollbacks.
     coordinator_key: Optional[bytes] = None
+
+    @classmethod
+    def for_run(cls, run_id: str, swarm: SwarmConfig, batch_size: int, **others: Any) -> HivemindOptions:
+        """A peer's options in a run whose swarm settings are `swarm`: every setting the two share by name (a new
+        one reaches the peers without being copied by hand), this peer's `batch_size`, and `others`."""
+        shared = {field.name for field in dataclasses.fields(cls)} & {field.name for field in dataclasses.fields(swarm)}
+        return cls(run_id=run_id, batch_size=batch_size, **{name: getattr(swarm, name) for name in shared}, **others)

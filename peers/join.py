@@ -350,29 +350,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
         print(f"error: {e}", file=sys.stderr)
         return 2
     module = ImageClassifier(config, model, compile_model=args.compile)
-    swarm = config.swarm
-    options = HivemindOptions(
-        run_id=config.run_id,
-        target_batch_size=swarm.target_batch_size,
-        batch_size=batch_size,
-        matchmaking_time=swarm.matchmaking_time,
-        averaging_timeout=swarm.averaging_timeout,
-        next_chunk_timeout=swarm.next_chunk_timeout,
-        grad_compression=swarm.grad_compression,
-        state_compression=swarm.state_compression,
-        average_state_every=swarm.average_state_every,
-        mode=swarm.mode,
-        inner_steps=swarm.inner_steps,
-        overlap_rounds=swarm.overlap_rounds,
-        outer_lr=swarm.outer_lr,
-        outer_momentum=swarm.outer_momentum,
-        robust_aggregation=swarm.robust_aggregation,
-        clip_radius=swarm.clip_radius,
-        trim_fraction=swarm.trim_fraction,
-        target_group_size=swarm.target_group_size,
-        verbose=args.verbose,
-        coordinator_key=coordinator_key,
-    )
+    options = HivemindOptions.for_run(config.run_id, config.swarm, batch_size, verbose=args.verbose,
+                                      coordinator_key=coordinator_key)
     if devices == 1:
         strategy = HivemindStrategy(options, dht=dht, device=torch.device(device))
     else:

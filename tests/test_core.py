@@ -68,6 +68,16 @@ def test_a_record_from_before_a_setting_existed_keeps_its_meaning_and_fingerprin
     assert config.swarm.clip_radius == 0.25 and config.fingerprint != old.fingerprint
 
 
+def test_a_peers_options_carry_every_swarm_setting_of_the_run():
+    """HivemindOptions.for_run: each SwarmConfig setting reaches the peer's options by name, none copied by hand."""
+    swarm = dataclasses.replace(get_preset("demo").swarm, mode="diloco", inner_steps=7, outer_lr=0.5,
+                                robust_aggregation="trimmed-mean", target_group_size=3, overlap_rounds=True)
+    options = HivemindOptions.for_run("run", swarm, batch_size=16, verbose=True)
+    for field in dataclasses.fields(swarm):
+        assert getattr(options, field.name) == getattr(swarm, field.name), field.name
+    assert (options.run_id, options.batch_size, options.verbose) == ("run", 16, True)
+
+
 def test_warmup_cosine():
     schedule = [warmup_cosine(step, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for step in range(25)]
     assert schedule[:4] == [0.25, 0.5, 0.75, 1.0]

@@ -292,7 +292,7 @@ def test_a_downloaded_state_brings_neither_an_epoch_beyond_the_clock_nor_its_opt
 def test_a_peer_far_beyond_a_fresh_clock_takes_the_swarms_state_and_one_still_cut_off_does_not(monkeypatch):
     """A peer cut off from the swarm trains on alone, its epochs coming fast; back online, far beyond the clock, it is
     the one to take the swarm's state (the others skip its records). While cut off, it reads only the clock it had:
-    as that stops changing, it does nothing."""
+    as that stops changing, it does nothing; nor does it when the count goes back (a restarted coordinator)."""
     monkeypatch.setattr("hivetrain.coordinator_watch.REJOIN_EVERY", 0.0)
     monkeypatch.setattr("hivetrain.clock.CLOCK_FRESH", 1.0)
     published = [ClockRecord(run_id="run", epoch=10, time=1.0)]
@@ -315,5 +315,10 @@ def test_a_peer_far_beyond_a_fresh_clock_takes_the_swarms_state_and_one_still_cu
         published.append(ClockRecord(run_id="run", epoch=12, time=2.0))  # back online: the next look's clock
         time.sleep(0.3)
         assert watch.ran_ahead(10**6) == 12
+        # The coordinator restarted without its count: it says 0 until it has counted the swarm again. A peer at epoch
+        # 50 is ahead of no one, and the bound stays where the count had got.
+        published.append(ClockRecord(run_id="run", epoch=0, time=3.0))
+        time.sleep(0.3)
+        assert watch.clock.bound() == 12 + EPOCHS_AHEAD and watch.ran_ahead(50) is None
     finally:
         watch.clock.stop()
