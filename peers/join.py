@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--config-timeout", type=float, default=30.0,
                      help="seconds to wait for the run's configuration (default: %(default)s)")
     train = parser.add_argument_group("training")
-    train.add_argument("--name", default=None, help="your display name in the swarm (default: the host name)")
+    train.add_argument("--name", default=None,
+                       help="your display name, shown to every peer and on the dashboard (default: peer- and the end"
+                            " of this peer's ID; never the host name)")
     train.add_argument("--batch-size", type=_batch_size,
                        help="samples per local step, or auto: the largest that fits on this GPU, accumulated to the"
                             " run's batch when smaller (default: auto on a GPU, the run's batch on a CPU)")
@@ -325,7 +327,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     apply_tf32(speedups)
     if data_seed is None:
         data_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    name = args.name or os.uname().nodename
+    # Not the host name: a display name goes to every peer and the dashboard. The peer ID's end is public already.
+    name = args.name or (f"peer-{dht.peer_id.to_base58()[-6:]}" if dht is not None else "peer")
     if speaks:
         where = device if devices == 1 else f"{devices} {device} devices (DDP)"
         print(f"Joined run {config.run_id} (preset {config.preset}, fingerprint {config.fingerprint}) as {name}:"

@@ -30,10 +30,12 @@ def _text(notebook: nbformat.NotebookNode) -> str:
 
 def test_notebook_joins_the_run(spawn, tmp_path):
     _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo")
-    join_command = "python peers/join.py --initial-peers " + " ".join(addresses)
-    notebook = _run(join_command, ["--host", "127.0.0.1", "--threads", "1", "--stop-at-epoch", "3"], tmp_path)
+    # Options pasted with the command reach the peer (a private run's --token did not: the notebook kept only the
+    # addresses); here --stop-at-epoch, without which the peer would train on.
+    join_command = "python peers/join.py --initial-peers " + " ".join(addresses) + " --stop-at-epoch 3"
+    notebook = _run(join_command, ["--host", "127.0.0.1", "--threads", "1"], tmp_path)
     text = _text(notebook)
-    assert f"{addresses[0]}: reachable" in text
+    assert f"{addresses[0]}: reachable" in text and "With: --stop-at-epoch 3" in text
     assert "Starting at swarm epoch 0" in text and "swarm epoch 3 |" in text and "Left the run." in text
 
 
