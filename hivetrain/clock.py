@@ -22,7 +22,6 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr, conint
 
-from hivetrain.hivemind_internals import BoundedStateAverager
 from hivetrain.record_guard import INT64_MAX, KeyRule, guard_keys, warn_skipped
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
 
@@ -102,14 +101,9 @@ def read_clock(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
 
 
 def bound_downloads(averager: Any, bound: Callable[[], Optional[int]]) -> None:
-    """Refuse, with a rate-limited warning, states `averager` downloads (and, an OuterState, its groupmates' rounds)
-    beyond `bound()`: a BoundedStateAverager, which reports through `refused_state` (hivemind_internals cannot import
-    the warnings), or an OuterState, which warns itself."""
+    """Bound by `bound()` the states `averager` downloads (a BoundedDownloads: a BoundedStateAverager, an OuterState)
+    and, an OuterState, its groupmates' rounds."""
     averager.epoch_bound = bound
-    if isinstance(averager, BoundedStateAverager):
-        key = averager.prefix + " state"
-        averager.refused_state = lambda epoch, beyond: warn_skipped(
-            key, "ahead of the coordinator's clock", f"epoch {epoch}, beyond {beyond}")
 
 
 class RecordWatcher(Generic[T]):

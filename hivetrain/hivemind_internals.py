@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import re
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import hivemind
@@ -23,6 +25,9 @@ import torch
 from google.protobuf.message import DecodeError
 
 SUPPORTED_HIVEMIND_VERSIONS = ("1.1.12",)
+# A downloaded state may be this many times the averager's own tensors (parameters, and Adam's two statistics), plus
+# this many bytes; a holder sending more is skipped before its tensors are deserialised.
+STATE_BYTES_FACTOR, STATE_BYTES_SLACK = 4, 1 << 16
 STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the state download it is answering
 logger = logging.getLogger(__name__)
 
@@ -49,9 +54,13 @@ from hivemind.optim.grad_averager import GradientAverager  # noqa: E402
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker  # noqa: E402
 from hivemind.optim.state_averager import TrainingStateAverager  # noqa: E402
 from hivemind.p2p import P2P, PeerID  # noqa: E402
-from hivemind.proto import crypto_pb2  # noqa: E402
+from hivemind.proto import averaging_pb2, crypto_pb2  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
-from hivemind.utils.asyncio import as_aiter, azip  # noqa: E402
+from hivemind.compression import deserialize_torch_tensor  # noqa: E402
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip  # noqa: E402
+from hivemind.utils.mpfuture import MPFuture  # noqa: E402
+from hivemind.utils.streaming import combine_from_streaming  # noqa: E402
+from hivemind.utils.timed_storage import ValueWithExpiration  # noqa: E402
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 from hivemind.utils.multiaddr import Multiaddr  # noqa: E402
 
@@ -436,29 +445,109 @@ def robust_averager_class(averager_class: type) -> type:
         {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))
 
 
-class _BoundedDownloads(JoinsStateServer):
-    """Below TrainingStateAverager in BoundedStateAverager's MRO: the state a download brings, before hivemind takes
-    its epoch and steps the LR schedule up to it (one step per epoch: 10^12 of them hung the peer)."""
+class BoundedDownloads(JoinsStateServer):
+    """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
+    process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
+    beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than
+    STATE_BYTES_FACTOR times this averager's own tensors (plus STATE_BYTES_SLACK) is skipped, with a warning, and the
+    next one is asked. hivemind took the first holder's state whole: one declaring the highest priority served
+    joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any size it liked."""
 
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
-    # Reports a refused state (epoch, bound): hivetrain.clock.bound_downloads makes it a rate-limited warning.
-    refused_state: Callable[[int, int], None] = staticmethod(
-        lambda epoch, bound: logger.warning(f"Skipping a downloaded state of epoch {epoch}, beyond {bound}"))
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
-        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
-        bound = self.epoch_bound()
-        if wait and loaded is not None and bound is not None:  # (without wait, a future: nothing to check yet)
-            epoch = loaded[0].get("epoch") if isinstance(loaded[0], dict) else None
-            if isinstance(epoch, int) and epoch > bound:
-                self.refused_state(epoch, bound)
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
+                                                                  bound=self.epoch_bound())))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
+                                     bound: Optional[int] = None):
+        # as hivemind's: the timeout given bounds the wait for each next part
+        timeout = None if timeout is None else (self.next_chunk_timeout or self.request_timeout)
+        limit = STATE_BYTES_FACTOR * sum(t.numel() * t.element_size() for t in self._averaged_tensors)
+        try:
+            found, _ = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True) or (
+                {}, None)
+            holders = {PeerID(peer_id): (float(entry.value), random.random())  # at random among equals
+                       for peer_id, entry in (found.items() if isinstance(found, dict) else ())
+                       if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))}
+            for peer in sorted(holders, key=holders.get, reverse=True):
+                if peer == self.peer_id:
+                    continue
+                if bound is not None and holders[peer][0] > bound:
+                    _warn_download(peer, f"it declares a state of epoch {holders[peer][0]:g}, beyond {bound}")
+                    continue
+                loaded = await self._download_state(peer, timeout, bound, limit + STATE_BYTES_SLACK)
+                if loaded is not None:
+                    future.set_result(loaded)
+                    return
+        except Exception as e:  # the DHT read failed: no state this time
+            logger.warning(f"Could not look for the swarm's state: {type(e).__name__}: {e}")
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state(self, peer: PeerID, timeout: Optional[float], bound: Optional[int],
+                              limit: int) -> Optional[tuple[Any, list[torch.Tensor]]]:
+        started = time.monotonic()
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, parts, tensors, received = None, [], [], 0
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                    epoch = metadata.get("epoch", metadata.get("round")) if isinstance(metadata, dict) else None
+                    if bound is not None and isinstance(epoch, (int, float)) and epoch > bound:
+                        _warn_download(peer, f"its state is of epoch {epoch}, beyond {bound}")
+                        return None
+                received += len(message.tensor_part.buffer)
+                if received > limit:
+                    _warn_download(peer, f"its state is larger than {limit} bytes")
+                    return None
+                if message.tensor_part.dtype and parts:  # a new tensor begins: the one before is whole
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                    if not self._fits(peer, tensors):
+                        return None
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            if not metadata or not self._fits(peer, tensors) or len(tensors) < len(self._averaged_tensors):
                 return None
-        return loaded
+            logger.info(f"Finished downloading state in {time.monotonic() - started:.3f}s from {peer}")
+            return metadata, tensors
+        except Exception as e:  # a holder that vanished or timed out: the next one
+            logger.warning(f"Failed to download state from {peer}: {type(e).__name__}: {e}")
+            return None
+
+
+    def _fits(self, peer: PeerID, tensors: list[torch.Tensor]) -> bool:
+        """Whether the state's tensors so far have the shapes of this averager's own, which lead every state (the
+        parameters): hivemind copies them in unchecked, and a state of another shape failed each load for good."""
+        index = len(tensors) - 1
+        if index < len(self._averaged_tensors) and tensors[index].shape != self._averaged_tensors[index].shape:
+            _warn_download(peer, f"its tensor {index} is of shape {tuple(tensors[index].shape)}, not"
+                                 f" {tuple(self._averaged_tensors[index].shape)}")
+            return False
+        return True
+
+
+def _warn_download(peer: PeerID, why: str) -> None:
+    """At most one warning a minute per holder and reason (each download asks every holder again)."""
+    now, key = time.monotonic(), (peer, why.split(",")[0])
+    if now >= _download_warned.get(key, 0.0):
+        _download_warned[key] = now + 60.0
+        logger.warning(f"Skipping the state of {peer}: {why}")
+
+
+_download_warned: dict = {}
 
 
 @named_for_rpc_as(TrainingStateAverager)  # peers download the state and average under hivemind's name
-class BoundedStateAverager(TrainingStateAverager, _BoundedDownloads):
+class BoundedStateAverager(TrainingStateAverager, BoundedDownloads):
     """hivemind's TrainingStateAverager that takes from a downloaded state its parameters, statistics and epoch (up to
     `epoch_bound`), and nothing of its optimizer settings: hivemind loads the sender's param groups (learning rate,
     betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings are put

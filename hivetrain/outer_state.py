@@ -12,7 +12,7 @@ import torch
 from hivemind import DHT
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
-from hivetrain.hivemind_internals import JoinsStateServer, RobustAveraging
+from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
 from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import keeping_sigint
 
@@ -24,7 +24,7 @@ def outer_state_prefix(run_id: str) -> str:
     return f"{run_id}_outer"
 
 
-class OuterState(RobustAveraging, JoinsStateServer):
+class OuterState(RobustAveraging, BoundedDownloads):
     """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
 
     A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
@@ -44,8 +44,7 @@ class OuterState(RobustAveraging, JoinsStateServer):
     Joiners download (round, parameters + momentum). `outer_optimizer` holds the momentum buffers and the
     hyperparameters in torch's SGD form, which is what checkpoints store."""
 
-    # The highest round (diloco's epoch) a groupmate or a downloaded state may name (ClockWatcher.bound); None: any.
-    epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
+    # epoch_bound (BoundedDownloads): the highest round a groupmate or a downloaded state may name; None: any.
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
@@ -110,12 +109,8 @@ class OuterState(RobustAveraging, JoinsStateServer):
             return False
         if loaded is None:
             return False
-        metadata, tensors = loaded
-        round_, bound = metadata.get("round") if isinstance(metadata, dict) else None, self.epoch_bound()
-        if bound is not None and isinstance(round_, int) and round_ > bound:
-            warn_skipped(f"{self.prefix} state", "ahead of the coordinator's clock", f"round {round_}, beyond {bound}")
-            return False
-        return self.set_state(round_, tensors)
+        metadata, tensors = loaded  # its round within the bound (BoundedDownloads)
+        return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
 
     def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
                    after_own_step: Optional[Callable[[], None]] = None) -> Optional[bool]:

@@ -251,42 +251,48 @@ def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spaw
     assert counted and max(counted) <= 3, counted[-5:]
 
 
-def test_a_downloaded_state_brings_neither_an_epoch_beyond_the_clock_nor_its_optimizer_settings(cleanup):
-    """Findings 2 and 3: hivemind took a served state's epoch (and stepped the LR schedule up to it, once per epoch:
-    10^12 of them hung the peer) and its param groups (an lr of 10^6). A BoundedStateAverager refuses a state beyond
-    its bound, and takes parameters, statistics and epoch, never the settings."""
-    first = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
-    cleanup.append(first)
-    second = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=_addresses(first), start=True)
-    cleanup.append(second)
+def test_a_download_skips_holders_beyond_the_clock_or_oversized_and_takes_no_settings(cleanup):
+    """Findings 2 and 3: hivemind took the state of the holder declaring the highest priority, whole: its epoch (the
+    LR schedule stepped up to it, once per epoch: 10^12 steps hung the peer), any size, and its param groups (an lr of
+    10^6). A BoundedStateAverager asks the holders in order and skips, before deserialising anything, one declaring a
+    priority beyond its bound, one serving a state beyond it, one sending more than its own tensors allow, and one
+    whose tensors have other shapes (hivemind's load then failed at every try); from the honest holder it takes
+    parameters, statistics and epoch, never the settings."""
+    bootstrap = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
+    cleanup.append(bootstrap)
 
-    def averager(cls, dht, lr: float, weight_decay: float, **kwargs):
-        model = torch.nn.Linear(4, 2)
-        return cls(dht=dht, prefix="takeover-state_state_averager", params=model.parameters(), start=True,
+    def averager(cls, width: int, lr: float, weight_decay: float, **kwargs):
+        dht = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=_addresses(bootstrap), start=True)
+        cleanup.append(dht)
+        model = torch.nn.Linear(width, 2)
+        made = cls(dht=dht, prefix="takeover-state_state_averager", params=model.parameters(), start=True,
                    optimizer=functools.partial(torch.optim.SGD, lr=lr, momentum=0.9, weight_decay=weight_decay),
                    scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 0.5),
                    **kwargs)
+        cleanup.append(made)  # shut down before its DHT (cleanup runs in reverse)
+        return made
 
-    server = averager(TrainingStateAverager, first, lr=1e6, weight_decay=100.0, allow_state_sharing=True)
-    peer = averager(BoundedStateAverager, second, lr=0.1, weight_decay=0.0, allow_state_sharing=False)
-    cleanup += [server, peer]  # shut down before their DHTs (cleanup runs in reverse)
-    refused = []
-    peer.epoch_bound, peer.refused_state = (lambda: 10), (lambda epoch, bound: refused.append((epoch, bound)))
-    server.local_epoch = 10**12
+    def holder(width: int, epoch: int, priority: float) -> TrainingStateAverager:
+        made = averager(TrainingStateAverager, width, lr=1e6, weight_decay=100.0, allow_state_sharing=True)
+        made.local_epoch, made.state_sharing_priority = epoch, priority
+        return made
+
+    honest = holder(4, epoch=7, priority=1)
+    holder(4, epoch=10**12, priority=9)  # within the bound by its word, beyond it by its state
+    holder(40_000, epoch=7, priority=8)  # 80,002 parameters and their momentum where the peer has 10
+    holder(3, epoch=7, priority=7)  # a state of another shape
+    holder(4, epoch=7, priority=10**6)  # declares itself beyond the bound
+    peer = averager(BoundedStateAverager, 4, lr=0.1, weight_decay=0.0, allow_state_sharing=False)
+    peer.epoch_bound = lambda: 10
     deadline = time.monotonic() + 30
-    while not refused:
-        assert time.monotonic() < deadline, "no state was served"
-        peer.load_state_from_peers(timeout=5)
-    assert refused[-1] == (10**12, 10) and peer.local_epoch == 0
-    served = [p.detach().clone() for p in server.main_parameters]
-    server.local_epoch = 7
-    deadline = time.monotonic() + 30
-    while peer.local_epoch != 7:
-        assert time.monotonic() < deadline, "the state within the bound was never loaded"
-        peer.load_state_from_peers(timeout=5)
-    assert all(torch.equal(mine, theirs) for mine, theirs in zip(peer.main_parameters, served))
+    while len((peer.dht.get("takeover-state_state_averager.all_averagers", latest=True) or ({}, None))[0]) < 5:
+        assert time.monotonic() < deadline, "the holders never declared their states"
+        time.sleep(0.2)
+    peer.load_state_from_peers(timeout=10)
+    assert peer.local_epoch == 7
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(peer.main_parameters, honest.main_parameters))
     assert [group["lr"] for group in peer.optimizer.param_groups] == [0.05]  # its own lr, as its schedule puts it
-    assert peer.optimizer.param_groups[0]["weight_decay"] == 0.0  # not the server's 100
+    assert peer.optimizer.param_groups[0]["weight_decay"] == 0.0  # not the holder's 100
 
 
 def test_a_peer_far_beyond_a_fresh_clock_takes_the_swarms_state_and_one_still_cut_off_does_not(monkeypatch):
