@@ -578,25 +578,25 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
                   " x 2 samples." + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do"
                                      " diloco-grouped's; diloco-blocking stops them for each round"
                                      " (`--no-overlap-rounds`)." if "diloco-blocking" in curves else ""))
-        verdict = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
+        target = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
         if "seed_curves" in result:  # the mean over seeds, for overlapped and blocking rounds
-            verdict += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds)."
+            target += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds)."
                         " Overlapped rounds become the default once they meet it.")
             for name, runs in result["seed_curves"].items():
                 reached_runs = [at(curve, final_samples) for curve in runs]
                 if not all(reached_runs):
-                    verdict += f" {name}: **Not met** (a run was not validated by then)."
+                    target += f" {name}: **Not met** (a run was not validated by then)."
                     continue
                 mean = sum(map(float, reached_runs)) / len(runs)
                 what = (f"DDP {final_ddp:.3f}, {name} mean {mean:.3f} ({', '.join(reached_runs)}) at {final_samples}"
                         " samples")
-                verdict += f" {name}: " + verdict(final_ddp - mean <= 0.01, what)
+                target += f" {name}: " + verdict(final_ddp - mean <= 0.01, what)
         else:
             what = f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples"
-            verdict += ". " + (verdict(gap <= 0.01, what) if gap is not None
+            target += ". " + (verdict(gap <= 0.01, what) if gap is not None
                                else "**Not met** (diloco was not validated by then).")
     else:
-        verdict = ""
+        target = ""
     if "diloco-grouped" in curves:
         grouped = result["grouped"]
         diloco += (f" diloco-grouped: the same with {grouped['peers']} peers averaging in groups of at most"
@@ -617,7 +617,7 @@ def _convergence_section(result: dict, env: dict, out: Path) -> str:
         f"{rows}\n"
         + "\n".join(f"Every validation of the {name} (samples seen: top-1): "
                     + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves[name]) + "." for name in swarms)
-        + verdict + "\n"
+        + target + "\n"
     )
 
 
