@@ -18,7 +18,6 @@ import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
-from hivetrain.clock import bound_downloads
 from hivetrain.config import RunConfig
 from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule, named_for_rpc_as
 from hivetrain.model import create_model
@@ -87,7 +86,7 @@ class StateHolder:
 
     def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
         """Refuse a downloaded state whose epoch is beyond `bound()` (hivetrain.clock), with a rate-limited warning."""
-        bound_downloads(self.averager, bound)
+        self.averager.epoch_bound = bound
 
     @property
     def has_state(self) -> bool:
@@ -171,7 +170,7 @@ class OuterStateHolder:
 
     def bound_downloads(self, bound: Callable[[], Optional[int]]) -> None:
         """Refuse a downloaded outer state whose round is beyond `bound()` (hivetrain.clock)."""
-        bound_downloads(self.outer, bound)
+        self.outer.epoch_bound = bound
 
     @property
     def has_state(self) -> bool:

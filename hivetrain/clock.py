@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -98,12 +98,6 @@ def read_clock(dht: hivemind.DHT, run_id: str, coordinator_key: bytes,
     """The coordinator's latest clock for run `run_id`, or None when there is none (coordinator_records)."""
     records = coordinator_records(dht, clock_rules(run_id)[0], run_id, coordinator_key, timeout)
     return max(records, key=lambda record: record.epoch, default=None)
-
-
-def bound_downloads(averager: Any, bound: Callable[[], Optional[int]]) -> None:
-    """Bound by `bound()` the states `averager` downloads (a BoundedDownloads: a BoundedStateAverager, an OuterState)
-    and, an OuterState, its groupmates' rounds."""
-    averager.epoch_bound = bound
 
 
 class RecordWatcher(Generic[T]):

@@ -13,17 +13,20 @@ restarted without its count says 0 until it has counted the swarm again.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional
 
 import hivemind
 
-from hivetrain.clock import EPOCHS_AHEAD, ClockWatcher, bound_downloads
+from hivetrain.clock import EPOCHS_AHEAD, ClockWatcher
 from hivetrain.rollback import RollbackWatcher
 
 # Seconds between two tries of a peer beyond the clock to take the swarm's state: while it is still cut off, each try
 # waits for a download that cannot come.
 REJOIN_EVERY = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 class CoordinatorWatch:
@@ -38,17 +41,18 @@ class CoordinatorWatch:
         """Bound by the coordinator's clock the epochs `tracker` (a vetted tracker) takes from other peers, and those
         `averager` takes from a downloaded state (a BoundedStateAverager's epoch, an OuterState's round) and from its
         groupmates (an OuterState's round)."""
-        tracker.epoch_bound = self.clock.bound
-        bound_downloads(averager, self.clock.bound)
+        tracker.epoch_bound = averager.epoch_bound = self.clock.bound  # a VettedProgressTracker, a BoundedDownloads
 
-    def ran_ahead(self, epoch: int) -> Optional[int]:
-        """The coordinator's count, fresh, when this peer's own `epoch` (round) is more than EPOCHS_AHEAD beyond it,
-        at most once per REJOIN_EVERY seconds: the peer is to take the swarm's state. None otherwise, and while the
-        count is old (this peer is still cut off: there is no state to take)."""
+    def ran_ahead(self, epoch: int, unit: str = "swarm epoch") -> Optional[int]:
+        """The coordinator's count, fresh, when this peer's own `epoch` (`unit`: diloco's outer round) is more than
+        EPOCHS_AHEAD beyond it, at most once per REJOIN_EVERY seconds, saying so: the peer is to take the swarm's
+        state. None otherwise, and while the count is old (this peer is still cut off: there is no state to take)."""
         count, now = self.clock.fresh_count(), time.monotonic()
         if count is None or epoch <= count + EPOCHS_AHEAD or now < self._next_rejoin:
             return None
         self._next_rejoin = now + REJOIN_EVERY
+        logger.warning(f"This peer is at {unit} {epoch}, far beyond the coordinator's count ({count}): it trained"
+                       f" alone while cut off. Loading the swarm's state")
         return count
 
     def stop(self) -> None:

@@ -184,9 +184,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
             if reached:
                 self.last_rollback = record
             return True, reached
-        if self._watch is not None and (clock := self._watch.ran_ahead(self.rounds.round)) is not None:
-            logger.warning(f"This peer is at outer round {self.rounds.round}, far beyond the coordinator's count"
-                           f" ({clock}): it trained alone while cut off. Loading the swarm's state")
+        if self._watch is not None and self._watch.ran_ahead(self.rounds.round, unit="outer round") is not None:
             self.rounds.load_state_from_peers()
             return True, False
         return False, False

@@ -239,8 +239,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             if reached:  # else wait_for_state said why, and the next validation decides again
                 self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
         elif self._watch is not None and (clock := self._watch.ran_ahead(self.local_epoch)) is not None:
-            logger.warning(f"This peer is at swarm epoch {self.local_epoch}, far beyond the coordinator's count"
-                           f" ({clock}): it trained alone while cut off. Loading the swarm's state")
             if self.rounds is not None:
                 self.rounds.load_state_from_peers()
             else:  # hivemind takes no state behind this peer's epoch: it steps back to the count first
