@@ -118,6 +118,10 @@ class SwarmProgress(pl.Callback):
                 self._print_rollback_line(trainer, pl_module, trainer.strategy.last_rollback)
             # the jump to the restored state's epoch is no epoch this peer trained
             self.epoch, self._epoch_started, self._losses = epoch, time.monotonic(), []
+        elif epoch < self.epoch:  # back from beyond the coordinator's clock (CoordinatorWatch.ran_ahead)
+            if speaks:
+                self._print_rejoin_line(trainer, pl_module, epoch)
+            self.epoch, self._epoch_started, self._losses = epoch, time.monotonic(), []
         if epoch != self.epoch:
             now = time.monotonic()
             if speaks:
@@ -136,9 +140,17 @@ class SwarmProgress(pl.Callback):
                           overlapped_steps=rounds.last_overlapped_steps, wait_seconds=rounds.wait_seconds,
                           communication_seconds=rounds.communication_seconds)
         self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss),
-                    swarm_seconds=trainer.strategy.swarm_seconds, **diloco)
+                    swarm_seconds=trainer.strategy.swarm_seconds, probe=parameter_probe(pl_module), **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
                 f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
+        bar = trainer.progress_bar_callback
+        bar.print(line) if bar is not None else print(line, flush=True)
+
+    def _print_rejoin_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
+        dropped = self.epoch - epoch
+        self.events("rejoined", epoch=epoch, dropped=dropped, probe=parameter_probe(pl_module))
+        line = (f"Back in step with the swarm at swarm epoch {epoch}: dropped the {dropped} epochs this peer trained"
+                f" beyond it alone | params {parameter_digest(pl_module)}")
         bar = trainer.progress_bar_callback
         bar.print(line) if bar is not None else print(line, flush=True)
 
@@ -209,8 +221,28 @@ class SwarmProgress(pl.Callback):
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
-    """A short hash of the parameters: peers in sync show the same digest at the same swarm epoch."""
+    """A short hash of the parameters: a peer that downloaded a state shows the digest its server showed. Peers in step
+    after an averaging round often show the same one too, but not always: hivemind's all-reduce adds the average's
+    difference to each peer's own copy, which can differ from the average in the last bit (parameter_probe)."""
     digest = hashlib.sha256()
     for param in module.parameters():
         digest.update(param.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:10]
+
+
+PROBE_SIZE = 16
+
+
+def parameter_probe(module: torch.nn.Module, size: int = PROBE_SIZE) -> list[float]:
+    """`size` of the parameters' values, spread evenly over all of them in order: how close two peers' parameters are,
+    to float rounding (the digest tells bit-for-bit copies only)."""
+    params = list(module.parameters())
+    total = sum(param.numel() for param in params)
+    wanted, probe, start = [index * total // size for index in range(size)], [], 0
+    for param in params:
+        inside = [index - start for index in wanted if start <= index < start + param.numel()]
+        if inside:
+            flat = param.detach().reshape(-1)
+            probe += flat[torch.tensor(inside, device=flat.device)].float().cpu().tolist()
+        start += param.numel()
+    return probe

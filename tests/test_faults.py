@@ -31,7 +31,6 @@ from s3server import free_ports
 from test_hostile_records import SHAPES, attack, hostile_stores, start_attacker
 
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
-PARAMS_LINE = re.compile(r"^swarm epoch (\d+) \|.* \| params ([0-9a-f]+)$")
 POISONED_STEPS = 3
 CUT_SECONDS = 20  # at least: until a no longer counts b
 # ...and until b, alone, is this far ahead of a: beyond the clock (a's count, give or take the epoch a look lags)
@@ -54,20 +53,26 @@ def _epochs(process: Process, since: float = 0.0) -> list[tuple[float, int, int]
             if t > since and (m := EPOCH_LINE.match(line))]
 
 
-def _params(process: Process, since: float) -> dict[int, str]:
-    """{epoch: the parameters' hash} of each epoch line printed after `since`."""
-    lines, times = list(process.lines), list(process.times)
-    return {int(m.group(1)): m.group(2) for t, line in zip(times, lines)
-            if t > since and (m := PARAMS_LINE.match(line))}
+def _probes(process: Process, since: float, until: float = math.inf) -> dict[int, list[float]]:
+    """{epoch: the sample of its parameters} of each epoch event written after `since` and by `until`
+    (peers.progress.parameter_probe)."""
+    return {event["epoch"]: event["probe"] for event in process.events("epoch") if since < event["time"] <= until}
+
+
+def _same_parameters(probe: list[float], other: list[float]) -> bool:
+    """To float rounding: peers in step agree to the last bits or so, not bit for bit (parameter_digest's docstring),
+    while the epochs a peer trains alone move each parameter by a learning rate's worth or more."""
+    return len(probe) == len(other) and all(abs(x - y) <= 1e-6 + 1e-4 * abs(x) for x, y in zip(probe, other))
 
 
 def _rejoined(a: Process, b: Process, since: float) -> tuple[float, int] | None:
-    """(when, the epoch) once, after `since`, a counts 3 peers again and b ended an epoch with the very parameters a
-    ended it with: b is back in step, whatever it trained alone."""
+    """(when, the epoch) once, after `since`, a counts 3 peers again and b ended an epoch with the parameters a ended
+    it with: b is back in step, whatever it trained alone."""
     counted = next((t for t, _, peers in _epochs(a, since=since) if peers == 3), None)
-    a_params = _params(a, since)
-    in_step = next(((t, e) for t, e, _ in _epochs(b, since=since)
-                    if a_params.get(e) is not None and a_params[e] == _params(b, since).get(e)), None)
+    a_probes = _probes(a, since)
+    in_step = next(((event["time"], event["epoch"]) for event in b.events("epoch")
+                    if event["time"] > since and event["epoch"] in a_probes
+                    and _same_parameters(a_probes[event["epoch"]], event["probe"])), None)
     return (max(counted, in_step[0]), in_step[1]) if counted is not None and in_step is not None else None
 
 
@@ -137,8 +142,9 @@ def run(tmp_path_factory):
     rows: list[FaultRow] = []
     facts: dict = dict(net=net, unavailable=unavailable)
 
-    def spawn(name: str, *args: str, prefix: list[str] = ()) -> Process:
-        started.append(Process(list(args), tmp / f"{name}.log", prefix=prefix))
+    def spawn(name: str, *args: str, prefix: list[str] = (), events: bool = False) -> Process:
+        started.append(Process(list(args), tmp / f"{name}.log", prefix=prefix,
+                               events=tmp / f"{name}.events" if events else None))
         return started[-1]
 
     port = free_ports(1)[0]
@@ -158,8 +164,8 @@ def run(tmp_path_factory):
         facts["addresses"] = addresses
         dhts.append(record_reader(addresses))
         progress_key = f"{get_preset('demo').run_id}_progress"
-        a = spawn("a", "peers/join.py", "--host", host, *peer_args("a", "--min-peers", "2"))
-        b = spawn("b", "peers/join.py", *peer_args("b"), prefix=net.exec_prefix if net else ())
+        a = spawn("a", "peers/join.py", "--host", host, *peer_args("a", "--min-peers", "2"), events=True)
+        b = spawn("b", "peers/join.py", *peer_args("b"), prefix=net.exec_prefix if net else (), events=True)
         c = spawn("c", "tests/sick_peer.py", "4", str(POISONED_STEPS), "--host", host,
                   *peer_args("c", "--min-peers", "2", "--verbose"))
         peers = dict(a=a, b=b, c=c)
@@ -179,7 +185,8 @@ def run(tmp_path_factory):
 
         # 2. b loses its network for a while. The others go on without it (its records lapse), and so does b, alone,
         # where its epochs come fast (nobody to wait for); back online beyond the coordinator's clock, b takes the
-        # swarm's state: b and the others are back in step, the same swarm epoch with the same parameters.
+        # swarm's state: b and the others are back in step, the same swarm epoch with the same parameters (to float
+        # rounding).
         if net:
             _wait(lambda: any(peers_ == 3 for _, _, peers_ in _epochs(a)), "a round with all three peers", [a, b, c])
             cut_at, epoch, b_epoch = time.time(), _epoch(a), _epoch(b)
@@ -194,6 +201,13 @@ def run(tmp_path_factory):
             net.restore()
             restored_at, facts["epochs_at_restore"] = time.time(), (_epoch(a), _epoch(b))
             rejoined = _wait(lambda: _rejoined(a, b, since=restored_at), "b back in step with a", [a, b, c])
+            # the check above can fail: b's parameters of the epochs it trained alone were not a's
+            a_probes = _probes(a, cut_at)
+            alone = {epoch_: probe for epoch_, probe in _probes(b, cut_at, until=restored_at).items()
+                     if epoch_ in a_probes}
+            facts["alone_in_step"] = (len(alone),
+                                      [e for e, probe in alone.items() if _same_parameters(a_probes[e], probe)])
+            facts["b_rejoined_events"] = [e for e in b.events("rejoined") if e["time"] > restored_at]
             facts.update(restored_at=restored_at, cut_at=cut_at, rejoined_at_epoch=rejoined[1],
                          counted_during_cut=dict(a={n for t, _, n in _epochs(a, since=cut_at) if t <= restored_at},
                                                  b={n for t, _, n in _epochs(b, since=cut_at) if t <= restored_at}))
@@ -300,6 +314,11 @@ def test_a_peer_cut_off_rejoins_the_swarm(run):
     a_at_restore, b_at_restore = run["epochs_at_restore"]
     assert b_at_restore > a_at_restore + B_AHEAD
     assert a_at_restore <= run["rejoined_at_epoch"] < b_at_restore
+    # b said so, once, having dropped the epochs it trained beyond the swarm's
+    rejoins = run["b_rejoined_events"]
+    assert len(rejoins) == 1 and rejoins[0]["epoch"] + rejoins[0]["dropped"] >= b_at_restore, rejoins
+    compared, in_step = run["alone_in_step"]
+    assert compared >= 1 and in_step == [], run["alone_in_step"]
 
 
 def test_a_peer_on_another_network_is_dialled_back(run):
