@@ -102,6 +102,8 @@ class NattedNamespace:
         _ip("link", "set", host, "up")
         _ip("-n", self.router, "addr", "add", f"{self.outside_ip}/24", "dev", outside)
         _ip("-n", self.router, "link", "set", outside, "up")
+        # as a home router's default route to its provider: what the host reaches (another NAT's side too) it forwards
+        _ip("-n", self.router, "route", "add", "default", "via", self.host_ip)
         _ip("-n", self.router, "link", "add", inside, "type", "veth", "peer", "name", peer)
         _ip("-n", self.router, "link", "set", peer, "netns", self.peer)
         _ip("-n", self.router, "addr", "add", f"{self.inside_ip}/24", "dev", inside)

@@ -402,7 +402,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                                report=lambda line: print(line, flush=True))
     if wandb_run is not None:
         loggers.append(WandbScalars(wandb_run, step_metric="swarm/epoch"))
-    holder = make_state_holder(dht, config, resume, device=torch.device(device))
+    holder = make_state_holder(dht, config, resume, device=torch.device(device), events=events)
     monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=holder.epoch)
     # A state a volunteer serves is a claim like its progress records: bounded by the coordinator's own count.
     holder.bound_downloads(lambda: monitor.epoch + EPOCHS_AHEAD)

@@ -1,8 +1,9 @@
 """The coordinator's own copy of the run's state (parameters, optimizer statistics, epoch), held as an auxiliary
 hivemind peer: StateHolder for sync runs, OuterStateHolder for diloco runs (outer parameters, outer momentum, round).
 
-It never trains and never joins averaging rounds: it downloads the newest state from the volunteers when asked, and
-serves what it holds to joiners. So the state survives when every volunteer has left, and `--resume` starts a run
+It never trains: it downloads the newest state from the volunteers when asked, and serves what it holds to joiners.
+In a diloco run whose trainers nobody can dial, it also leads their outer rounds without a part of its own
+(coordinator.relay). So the state survives when every volunteer has left, and `--resume` starts a run
 from a checkpoint by serving it. It offers its state only once it holds a real one (downloaded or resumed): a first
 volunteer must not download the coordinator's untrained weights in place of its pretrained ones.
 """
@@ -19,21 +20,28 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
-from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule, named_for_rpc_as
+from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, BoundedStateAverager, catch_up_schedule,
+                                          named_for_rpc_as)
+from hivetrain.events import EventLog
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
-from hivetrain.outer_state import OuterState, outer_state_prefix
+from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
+from hivetrain.robust import RobustAggregation
 from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm_options import COMPRESSION
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
+from coordinator.relay import RoundRelay, print_flushed
 
 logger = logging.getLogger(__name__)
 
 
 def make_state_holder(dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
-                      device: torch.device = torch.device("cpu")):
-    holder = OuterStateHolder if config.swarm.mode == "diloco" else StateHolder
-    return holder(dht, config, resume, device=device)
+                      device: torch.device = torch.device("cpu"), events: EventLog = EventLog(None),
+                      report: Callable[[str], None] = print_flushed):
+    """The run's state holder. `events` and `report` (the coordinator's console): a diloco holder's relayed rounds."""
+    if config.swarm.mode == "diloco":
+        return OuterStateHolder(dht, config, resume, device=device, events=events, report=report)
+    return StateHolder(dht, config, resume, device=device)
 
 
 @named_for_rpc_as(TrainingStateAverager)  # peers download the state under hivemind's name
@@ -142,19 +150,28 @@ class OuterStateHolder:
     checkpoints carry the outer optimizer's state (the momentum) as their optimizer state."""
 
     def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
-                 device: torch.device = torch.device("cpu"), load_timeout: float = 60.0):
+                 device: torch.device = torch.device("cpu"), load_timeout: float = 60.0,
+                 events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed):
         self.config, self.load_timeout = config, load_timeout
         self.model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(device)
         if resume is not None:
             self.model.load_state_dict(resume.weights)
         swarm = config.swarm
+        # Auxiliary: in a round it relays, it reduces parts and brings none (the peers' compression and aggregation)
+        aggregation, matchmaking = RobustAggregation.for_swarm(swarm), round_matchmaking(
+            swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout, swarm.target_group_size)
+        if aggregation is not None:  # it leads the group and brings no copy: the copies must still be enough
+            matchmaking["min_group_size"] = MIN_ROBUST_GROUP_SIZE + 1
         self.outer = OuterState(
             list(self.model.parameters()), dht, outer_state_prefix(config.run_id), swarm.outer_lr, swarm.outer_momentum,
-            state_compression=COMPRESSION[swarm.state_compression](), next_chunk_timeout=swarm.next_chunk_timeout,
-            allow_state_sharing=False, declare_state_period=RECORD_LIFETIME,
+            compression=COMPRESSION[swarm.grad_compression](), state_compression=COMPRESSION[swarm.state_compression](),
+            aggregation=aggregation, auxiliary=True, allow_state_sharing=False, **matchmaking,
         )
         if resume is not None:  # the weights went into the outer parameters above; the momentum and round follow
             self._restore(resume, resume.epoch)
+        self.relay = RoundRelay(self.outer, f"{config.run_id}_progress", swarm.inner_steps * config.batch_size,
+                                swarm.averaging_timeout, robust=swarm.robust_aggregation != "none", events=events,
+                                report=report).start()
 
     def _restore(self, checkpoint: Checkpoint, round_: int) -> None:
         weights = [parameter.detach() for parameter in self.model.parameters()]  # the checkpoint's, loaded before
@@ -204,6 +221,7 @@ class OuterStateHolder:
         self._restore(checkpoint, round_)
 
     def shutdown(self) -> None:
+        self.relay.stop()
         if self.has_state:  # joiners stop asking the coordinator at once
             withdraw_records(self.outer.dht, None, [self.outer])
         self.outer.shutdown()

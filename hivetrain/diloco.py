@@ -29,10 +29,10 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.hivemind_internals import HookedProgressTracker
-from hivetrain.outer_state import OuterState, outer_state_prefix
+from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import vetted
-from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, read_records, withdraw_records
+from hivetrain.swarm import RECORD_LIFETIME, read_records, withdraw_records
 
 logger = logging.getLogger(__name__)
 
@@ -145,14 +145,8 @@ class DiLoCoRounds:
         self.withdrawn = False  # this peer's records are withdrawn: it is leaving
         self.outer = OuterState(
             self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
-            state_compression=state_compression, min_matchmaking_time=matchmaking_time,
-            # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
-            request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
-            # step(timeout=...) bounds only the search for a group: without this cap an all-reduce whose groupmate
-            # died mid-round waited forever (hivemind.Optimizer sets its averagers' cap to the averaging timeout too)
-            allreduce_timeout=averaging_timeout, declare_state_period=RECORD_LIFETIME, aggregation=aggregation,
-            # Groups of at most G (None: everyone due in one group); see group_matchmaking for how they change
-            **group_matchmaking(target_group_size),
+            state_compression=state_compression, aggregation=aggregation,
+            **round_matchmaking(matchmaking_time, averaging_timeout, next_chunk_timeout, target_group_size),
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,

@@ -14,14 +14,33 @@ from hivemind.compression import CompressionBase, Float16Compression, NoCompress
 
 from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
 from hivetrain.record_guard import warn_skipped
-from hivetrain.swarm import keeping_sigint
+from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
 
 logger = logging.getLogger(__name__)
+
+
+# What the coordinator gathers in a round it relays for peers nobody can dial (coordinator.relay): no groupmate.
+RELAY_GATHER = "relay"
 
 
 def outer_state_prefix(run_id: str) -> str:
     """The averager's DHT prefix: its groups and the declarations of who serves the outer state."""
     return f"{run_id}_outer"
+
+
+def round_matchmaking(matchmaking_time: float, averaging_timeout: float, next_chunk_timeout: float,
+                      target_group_size: Optional[int]) -> dict[str, Any]:
+    """OuterState's matchmaking and all-reduce arguments, the same on every peer of a run and on the coordinator."""
+    return dict(
+        min_matchmaking_time=matchmaking_time,
+        # hivemind warns (and may deadlock) when a matchmaking request can outlast the matchmaking window
+        request_timeout=min(3.0, matchmaking_time / 2), next_chunk_timeout=next_chunk_timeout,
+        # step(timeout=...) bounds only the search for a group: without this cap an all-reduce whose groupmate died
+        # mid-round waited forever (hivemind.Optimizer sets its averagers' cap to the averaging timeout too)
+        allreduce_timeout=averaging_timeout, declare_state_period=RECORD_LIFETIME,
+        # Groups of at most G (None: everyone due in one group); see group_matchmaking for how they change
+        **group_matchmaking(target_group_size),
+    )
 
 
 class OuterState(RobustAveraging, BoundedDownloads):
@@ -160,11 +179,13 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
                 gathered = None
             if gathered is not None:
+                # the coordinator, when it relayed the round, brought no parameters: no groupmate
+                trainers = {peer: value for peer, value in gathered.items() if value != RELAY_GATHER}
                 # Groupmates that came from a later round bring this peer's round number up with their parameters;
                 # a round beyond the coordinator's clock (hivetrain.clock) is a groupmate's word against it, skipped.
-                self.round = max([started_round, *self._usable_rounds(gathered.values())]) + 1
-                averaged, self.last_group_size = len(gathered) > 1, len(gathered)
-                self.last_groupmates = [peer.to_bytes() for peer in gathered if peer != self.peer_id]
+                self.round = max([started_round, *self._usable_rounds(trainers.values())]) + 1
+                averaged, self.last_group_size = len(trainers) > 1, len(trainers)
+                self.last_groupmates = [peer.to_bytes() for peer in trainers if peer != self.peer_id]
         with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
             for outer, anchor, buffer in zip(self.outer_parameters, anchors, self.momentum):
                 buffer.mul_(m).add_(anchor.sub_(outer), alpha=1 / (lr * (1 + m)))
@@ -189,10 +210,19 @@ class OuterState(RobustAveraging, BoundedDownloads):
         """What this peer sent in its last round, estimated: hivemind's butterfly all-reduce in a group of n sends
         (n - 1) / n of the averaged tensors to the other reducers, and as much again of averaged results back."""
         n = self.last_group_size
+        return int(2 * (n - 1) / n * self._tensor_bytes) if n else 0
+
+    def relayed_bytes(self, trainers: int) -> int:
+        """What a relayed round of `trainers` peers moves through the auxiliary peer that reduces every part of it
+        (coordinator.relay), estimated: each trainer's tensors in, and the average back out to each."""
+        return 2 * trainers * self._tensor_bytes
+
+    @property
+    def _tensor_bytes(self) -> int:
+        """The averaged tensors' size on the wire under this averager's compression."""
         per_value = 2 if isinstance(self.compression, Float16Compression) else 1 if isinstance(
             self.compression, Uniform8BitQuantization) else 4
-        values = sum(p.numel() for p in self.outer_parameters)
-        return int(2 * (n - 1) / n * values * per_value) if n else 0
+        return sum(p.numel() for p in self.outer_parameters) * per_value
 
     def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
         with self.get_tensors(), torch.no_grad():

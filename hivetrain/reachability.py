@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from hivetrain.hivemind_internals import dial
+from hivetrain.swarm import daemon_start_error
 
 DIAL_BACK = "hivetrain.dial_back"
 DIAL_TIMEOUT = 10.0  # seconds the coordinator tries to dial a peer back
@@ -135,5 +136,9 @@ async def _ask(initial_peers: Sequence[str], host_maddrs: Sequence[str], announc
 
 def check_reachability(initial_peers: Sequence[str], host_maddrs: Sequence[str],
                        announce_maddrs: Sequence[str] = (), timeout: float = 15.0) -> Reachability:
-    """Ask the initial peers (the coordinator) to dial a probe listening on `host_maddrs` back."""
-    return asyncio.run(_ask(initial_peers, host_maddrs, announce_maddrs, timeout))
+    """Ask the initial peers (the coordinator) to dial a probe listening on `host_maddrs` back. Raises SwarmError when
+    none of them can be reached at all."""
+    try:
+        return asyncio.run(_ask(initial_peers, host_maddrs, announce_maddrs, timeout))
+    except P2PDaemonError as e:
+        raise daemon_start_error(e, list(initial_peers)) from None

@@ -60,8 +60,18 @@ def group_matchmaking(target_group_size: Optional[int]) -> dict[str, Any]:
 Record = TypeVar("Record", bound=BaseModel)
 
 
+
 class SwarmError(RuntimeError):
     """A problem with the swarm a user can act on; its message is meant to be shown as it is."""
+
+def daemon_start_error(error: P2PDaemonError, initial_peers: list[str]) -> SwarmError:
+    """What a P2P daemon that did not start means to a user: most often, no initial peer could be reached."""
+    if "bootstrap" in str(error):
+        return SwarmError(
+            f"could not reach any initial peer ({' '.join(initial_peers)}): is the coordinator running, is its port"
+            " open to this machine, and is the address one this machine can dial (127.0.0.1 only works on the"
+            " coordinator's own machine)?")
+    return SwarmError(f"could not start the P2P daemon: {error}")
 
 
 @dataclass
@@ -260,13 +270,7 @@ def start_dht(options: DHTOptions, while_connecting: Callable[[], None] = lambda
         while_connecting()
         dht.wait_until_ready()
     except P2PDaemonError as e:
-        if "bootstrap" in str(e):
-            raise SwarmError(
-                f"could not reach any initial peer ({' '.join(initial_peers)}): is the coordinator running, is its port"
-                " open to this machine, and is the address one this machine can dial (127.0.0.1 only works on the"
-                " coordinator's own machine)?"
-            ) from None
-        raise SwarmError(f"could not start the P2P daemon: {e}") from None
+        raise daemon_start_error(e, initial_peers) from None
     except RuntimeError as e:  # connected, but no initial peer answered a DHT request
         if "bootstrap failed" not in str(e):
             raise

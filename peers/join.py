@@ -227,10 +227,10 @@ def _join(args: argparse.Namespace) -> int:
                                  f" coordinator for a new one")
             authorizer = RunAuthorizer(grant)
             args.name = args.name or grant.name
+        client_mode = choose_client_mode(args.client_mode, initial_peers, args.host, args.port, args.announce)
     except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    client_mode = choose_client_mode(args.client_mode, initial_peers, args.host, args.port, args.announce)
     network = DHTOptions(
         initial_peers=initial_peers,
         host_maddrs=[listen_maddr(args.host, args.port)],

@@ -1,5 +1,6 @@
-"""A volunteer behind NAT (two network namespaces and a masquerading router the test builds) finds out by itself that
-nobody can dial it, joins in client mode and contributes samples."""
+"""Volunteers behind NAT (two network namespaces and a masquerading router the test builds, per NAT): one finds out by
+itself that nobody can dial it, joins in client mode and contributes samples; two, each behind its own NAT, average
+their diloco rounds through the coordinator, which leads their groups (coordinator.relay)."""
 
 import time
 
@@ -20,6 +21,13 @@ def nat():
     network.delete()
 
 
+@pytest.fixture
+def second_nat(nat):
+    network = NattedNamespace(2).create()
+    yield network
+    network.delete()
+
+
 def test_a_peer_behind_nat_joins_in_client_mode_by_itself(spawn, tmp_path, nat):
     _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--host", nat.host_ip, "--refresh", "1")
     assert all(f"/ip4/{nat.host_ip}/" in address for address in addresses)
@@ -35,3 +43,33 @@ def test_a_peer_behind_nat_joins_in_client_mode_by_itself(spawn, tmp_path, nat):
     with MetricsReader(tmp_path / "coordinator" / "metrics.sqlite") as reader:
         rows = {row.name: row for row in reader.peers()}
     assert rows["natted"].client_mode and rows["natted"].samples == contributed > 0
+
+
+ROUNDS = 6
+
+
+def _same_parameters(probe: list[float], other: list[float]) -> bool:
+    """To float rounding (peers.progress.parameter_probe): peers that averaged agree to the last bits or so."""
+    return len(probe) == len(other) and all(abs(x - y) <= 1e-6 + 1e-4 * abs(x) for x, y in zip(probe, other))
+
+
+def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn, tmp_path, nat, second_nat):
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "diloco",
+                                               "--inner-steps", "8", "--host", nat.host_ip, "--refresh", "1",
+                                               events=tmp_path / "coordinator.events")
+    peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
+                         "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
+                         events=tmp_path / f"{name}.events")
+             for name, network in (("first", nat), ("second", second_nat))}
+    for name, peer in peers.items():
+        assert peer.wait(timeout=300) == 0, peer.log
+        assert next(line for line in peer.lines if line.startswith("Joined run")).endswith("client mode"), name
+    # Each peer averaged rounds with the other: the coordinator, which brought no parameters, is not counted
+    rounds = {name: {event["epoch"]: event for event in peer.events("epoch")} for name, peer in peers.items()}
+    together = [round_ for round_, event in rounds["first"].items()
+                if event["group_size"] == 2 and rounds["second"].get(round_, {}).get("group_size") == 2]
+    assert together, rounds
+    # ...and came out of those rounds with the same outer parameters
+    assert any(_same_parameters(rounds["first"][r]["probe"], rounds["second"][r]["probe"]) for r in together), rounds
+    relayed = [event for event in coordinator.events("relayed") if event["trainers"] == 2]
+    assert len(relayed) >= len(together), relayed
