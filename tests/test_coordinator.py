@@ -4,11 +4,12 @@ damaged or foreign checkpoint before touching the run."""
 import torch
 
 from conftest import assert_clean_error, start_coordinator
+from coordinator.start import status_line
 from hivetrain.checkpoint import Checkpoint, LocalCheckpointStore
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate
-from hivetrain.metrics_store import MetricsReader
+from hivetrain.metrics_store import MetricsReader, SwarmSnapshot
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from peers.progress import parameter_digest
@@ -65,3 +66,14 @@ def test_resume_refuses_a_damaged_or_foreign_checkpoint(spawn, tmp_path):
                             "--identity", str(tmp_path / "key"), "--log-dir", str(log_dir), *args)
         assert_clean_error(coordinator, coordinator.wait(timeout=60), message)
         assert not log_dir.exists()  # no store, no checkpoints folder: the run was not touched
+
+
+def test_the_status_line_says_when_no_peer_can_lead_a_sync_round():
+    def line(alive: int, clients: int, mode: str) -> str:
+        return status_line(SwarmSnapshot(0.0, 3, alive, clients, 100.0, 64, 128, None, None), 0.1, mode)
+
+    assert "nobody can lead" in line(2, 2, "sync")
+    # one reachable peer leads the rounds; a lone peer has no round; diloco rounds are relayed (coordinator.relay)
+    assert "(1 in client mode)" in line(2, 1, "sync")
+    assert "(1 in client mode)" in line(1, 1, "sync")
+    assert "(2 in client mode)" in line(2, 2, "diloco")
