@@ -28,7 +28,8 @@ from hivetrain.swarm import read_records
 
 logger = logging.getLogger(__name__)
 
-LOOK_EVERY = 0.25  # seconds between two reads of the progress records while no round is due
+LOOK_EVERY = 0.25  # seconds between two reads of the progress records while relaying and no round is due
+IDLE_LOOK_EVERY = 2.0  # ...while a trainer that can be dialled leads the rounds (each read parses every record)
 
 
 def print_flushed(line: str) -> None:
@@ -68,7 +69,7 @@ class RoundRelay:
         self._thread.join(timeout=self.averaging_timeout + 5)
 
     def _run(self) -> None:
-        while not self._stop.wait(LOOK_EVERY):
+        while not self._stop.wait(LOOK_EVERY if self._relaying else IDLE_LOOK_EVERY):
             try:
                 due = self._due_round()
                 if due is not None:
