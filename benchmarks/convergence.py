@@ -1,0 +1,164 @@
+"""The convergence suite: validation top-1 against samples seen for single, DDP and the swarm in both modes
+(python -m benchmarks.bench convergence)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.harness import run_baseline, run_swarm, validated_epoch
+from benchmarks.report import measured_by, verdict
+
+
+CONVERGENCE_INNER_STEPS = 8  # diloco's H on the demo preset: a round per 512 samples of 2 peers
+
+CONVERGENCE_SEEDS = 3  # data orders per diloco variant: one digit of the 360 held out is 0.28 points
+# The grouped row: diloco averaging in groups of at most CONVERGENCE_GROUP_SIZE (--target-group-size) among
+# CONVERGENCE_GROUPED_PEERS peers, so that each round has several groups and the parameters mix across rounds.
+CONVERGENCE_GROUPED_PEERS, CONVERGENCE_GROUP_SIZE = 4, 2
+
+
+def convergence_suite(work: Path, smoke: bool) -> dict:
+    """Validation top-1 against samples seen for single, DDP and a 2-peer swarm of the demo preset: the same initial
+    weights, data, LR schedule and samples per optimizer step (the swarm's target batch; the baselines accumulate to
+    it), validated on the whole validation split."""
+    from hivetrain.config import diloco_schedule_flags, get_preset
+    from hivetrain.metrics_store import MetricsReader
+
+    config = get_preset("demo")
+    global_batch, batch = config.swarm.target_batch_size, config.batch_size
+    data_epochs = 1 if smoke else 5
+    single = run_baseline(work, "conv-single", ["--strategy", "single", "--threads", "2", "--batch-size", str(batch),
+                                                "--accumulate", str(global_batch // batch), "--epochs",
+                                                str(data_epochs)])
+    ddp = run_baseline(work, "conv-ddp", ["--strategy", "ddp", "--devices", "2", "--threads", "1", "--batch-size",
+                                          str(batch), "--accumulate", str(global_batch // batch // 2), "--epochs",
+                                          str(data_epochs)])
+    curves = {name: [(point["step"] * record["global_batch_size"], point["top1"]) for point in record["validation"]]
+              for name, record in (("single", single), ("DDP", ddp))}
+    swarm_epochs = single["train_samples"] // global_batch
+    # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
+    # downloads each state from them, so they must still be there (on this preset they are far faster than it).
+    run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2"], [],
+              timeout=900, until=lambda: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
+    with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
+        curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
+    # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
+    # r x H x batch x 2 samples, with the others' learning rate at the same samples seen. Overlapped rounds (the
+    # default) and blocking ones, each with CONVERGENCE_SEEDS data orders (the peers' --seed): their curves are the
+    # first seed's, and the verdict takes the mean over the seeds of the last validation by DDP's final samples.
+    round_samples = CONVERGENCE_INNER_STEPS * batch * 2
+    rounds = single["train_samples"] // round_samples
+    seeds: dict[str, list[list]] = {}
+    for name, overlap in (("diloco", "--overlap-rounds"), ("diloco-blocking", "--no-overlap-rounds")):
+        for seed in range(1 if smoke else CONVERGENCE_SEEDS):
+            label = f"conv-{name}-{seed}"
+            run_swarm(work, label, 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
+                                       overlap, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
+                                       *diloco_schedule_flags(config, peers=2)], ["--seed", f"{10 * seed}{{index}}"],
+                      timeout=900, until=lambda: validated_epoch(work / label / "metrics.sqlite") >= rounds)
+            with MetricsReader(work / label / "metrics.sqlite") as store:
+                seeds.setdefault(name, []).append([(row.epoch * round_samples, row.top1)
+                                                   for row in store.validations()])
+        curves[name] = seeds[name][0]
+    # The same in groups: more peers, each still taking H steps per round, and the schedule stretched for them, so the
+    # learning rate is again the others' at the same samples seen. The coordinator validates one peer's parameters.
+    grouped_round_samples = CONVERGENCE_INNER_STEPS * batch * CONVERGENCE_GROUPED_PEERS
+    grouped_rounds = max(1, single["train_samples"] // grouped_round_samples)
+    run_swarm(work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
+              ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--overlap-rounds",
+               "--inner-steps", str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
+               *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
+              timeout=900,
+              until=lambda: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
+    with MetricsReader(work / "conv-diloco-grouped" / "metrics.sqlite") as store:
+        curves["diloco-grouped"] = [(row.epoch * grouped_round_samples, row.top1) for row in store.validations()]
+    for name, curve in curves.items():
+        print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
+    return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
+                seed_curves=seeds,
+                grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
+                wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
+
+# the curves validated by a coordinator, in table order
+CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-grouped")
+
+
+def convergence_section(result: dict, env: dict, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = result["curves"]
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, curve in curves.items():
+        axes.plot([samples for samples, _ in curve], [top1 for _, top1 in curve],
+                  marker="o" if name not in CONVERGENCE_SWARMS else None, label=name)
+    axes.set(xlabel="samples seen", ylabel="validation top-1", title=f"{result['preset']}: convergence")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    plot = out / "benchmarks-convergence.png"
+    figure.savefig(plot, dpi=100)
+    plt.close(figure)
+
+    def at(curve: list, samples: int) -> str:
+        seen = [top1 for count, top1 in curve if count <= samples]
+        return f"{seen[-1]:.3f}" if seen else ""
+
+    swarms = [name for name in CONVERGENCE_SWARMS if name in curves]  # older records lack the later curves
+    rows = "".join(f"| {samples} | {top1:.3f} | {at(curves['DDP'], samples)} | "
+                   + " | ".join(at(curves[name], samples) for name in swarms) + " |\n"
+                   for samples, top1 in curves["single"])
+    diloco = ""
+    if "diloco" in curves:
+        final_samples, final_ddp = curves["DDP"][-1]
+        reached = at(curves["diloco"], final_samples)
+        gap = final_ddp - float(reached) if reached else None
+        diloco = (f" diloco: 2 peers, {result['inner_steps']} inner steps of 32 per round; its schedule counts a"
+                  " peer's inner steps, so warmup and total steps are the preset's times target batch / (2 x 32), the"
+                  f" same learning rate at the same samples seen; round r is plotted at r x {result['inner_steps']} x 32"
+                  " x 2 samples." + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do"
+                                     " diloco-grouped's; diloco-blocking stops them for each round"
+                                     " (`--no-overlap-rounds`)." if "diloco-blocking" in curves else ""))
+        target = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
+        if "seed_curves" in result:  # the mean over seeds, for overlapped and blocking rounds
+            target += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds)."
+                        " Overlapped rounds become the default once they meet it.")
+            for name, runs in result["seed_curves"].items():
+                reached_runs = [at(curve, final_samples) for curve in runs]
+                if not all(reached_runs):
+                    target += f" {name}: **Not met** (a run was not validated by then)."
+                    continue
+                mean = sum(map(float, reached_runs)) / len(runs)
+                what = (f"DDP {final_ddp:.3f}, {name} mean {mean:.3f} ({', '.join(reached_runs)}) at {final_samples}"
+                        " samples")
+                target += f" {name}: " + verdict(final_ddp - mean <= 0.01, what)
+        else:
+            what = f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples"
+            target += ". " + (verdict(gap <= 0.01, what) if gap is not None
+                               else "**Not met** (diloco was not validated by then).")
+    else:
+        target = ""
+    if "diloco-grouped" in curves:
+        grouped = result["grouped"]
+        diloco += (f" diloco-grouped: the same with {grouped['peers']} peers averaging in groups of at most"
+                   f" {grouped['target_group_size']} (`--target-group-size`), drawn anew each round, its schedule"
+                   f" stretched by target batch / ({grouped['peers']} x 32); round r is plotted at r x"
+                   f" {result['inner_steps']} x 32 x {grouped['peers']} samples, and the coordinator validates the"
+                   " parameters of the one peer it downloads them from.")
+    return (
+        "## convergence\n\n"
+        f"{measured_by(env)} The `{result['preset']}` preset from the same initial weights with the"
+        f" same LR schedule and {result['global_batch_size']} samples per optimizer step: single (batch 32,"
+        " accumulating 4), DDP (2 processes x 32, accumulating 2) and a swarm of 2 peers (target batch"
+        f" {result['global_batch_size']}).{diloco} The baselines validate after each pass over the training data, the"
+        " coordinator after each swarm epoch it sees; a swarm's column is its last validation at or before that"
+        " many samples.\n\n"
+        f"![Validation top-1 against samples seen]({plot.name})\n\n"
+        f"| samples seen | single | DDP | {' | '.join(swarms)} |\n|---:|---:|---:|{'---:|' * len(swarms)}\n"
+        f"{rows}\n"
+        + "\n".join(f"Every validation of the {name} (samples seen: top-1): "
+                    + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves[name]) + "." for name in swarms)
+        + target + "\n"
+    )
