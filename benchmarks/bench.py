@@ -11,13 +11,15 @@ throughput (samples/s of single, DDP and a swarm on equal hardware, and the swar
 and both swarm modes between two network namespaces over a veth shaped to 1 Gbit/s, 100 and 20 Mbit/s);
 communication (loopback bytes per sample and accuracy with no compression, fp16 and 8-bit); convergence (validation
 top-1 against samples seen for single, DDP and the swarm); churn (peers leaving and joining); monitor (the
-coordinator's look); attacks (one malicious peer in four under each defence, in logbook/reliability.md); scale (what
-each peer costs as the swarm grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/scale.md).
+coordinator's look); relay (what leading the rounds of peers behind NAT costs the coordinator); attacks (one
+malicious peer in four under each defence, in logbook/reliability.md); scale (what each peer costs as the swarm
+grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/scale.md).
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
 its Markdown, in a module of its own (benchmarks.join, .throughput, .links, .communication, .convergence, .churn,
-.monitor, .defences for attacks, .scale) on top of benchmarks.harness and benchmarks.report, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it
-gets also names the command that measured it and the record's path.
+.monitor, .relay, .defences for attacks, .scale) on top of benchmarks.harness and benchmarks.report, registered in
+SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it gets also names the
+command that measured it and the record's path.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from benchmarks.harness import ROOT
 from benchmarks.join import join_section, join_suite
 from benchmarks.links import links_section, links_suite
 from benchmarks.monitor import monitor_section, monitor_suite
+from benchmarks.relay import relay_section, relay_suite
 from benchmarks.scale import scale_page, scale_suite
 from benchmarks.throughput import throughput_section, throughput_suite
 
@@ -71,6 +74,7 @@ SUITES = {
     "convergence": (convergence_suite, convergence_section),
     "churn": (churn_suite, churn_section),
     "monitor": (monitor_suite, monitor_section),
+    "relay": (relay_suite, relay_section),
     "attacks": (attacks_suite, attacks_section),
     "scale": (scale_suite, scale_page),
 }

@@ -123,6 +123,15 @@ def test_monitor_suite_smoke():
     assert section.startswith("## monitor") and "| 16 |" in section
 
 
+def test_relay_suite_smoke():
+    result, section = smoke("relay")
+    [row] = result["results"]
+    # two peers behind two NATs: the coordinator led their rounds, and they averaged with each other
+    assert row["trainers"] == 2 and row["relayed"] >= 1 and row["averaged_together"] >= 1
+    assert row["bytes_per_round"] == 2 * 2 * row["parameters"] * 4  # each copy in and the average back, fp32
+    assert section.startswith("## relay") and "| 2 |" in section
+
+
 def test_churn_suite_smoke():
     result, section = smoke("churn")
     assert result["steady_samples_per_s"] > 0 and result["churn_samples_per_s"] > 0
