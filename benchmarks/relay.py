@@ -126,5 +126,5 @@ def _carried_over(result: dict) -> str:
     cpu = fixed + per_parameter * mission
     return (moved + f" The relay's CPU per trainer and round, fitted on the two-trainer runs: {fixed:.2f} s plus"
             f" {per_parameter * 1e6:.3f} s per million parameters, so about {cpu:.0f} s for `{result['mission']}`"
-            f" (if reducing stays linear in size): one coordinator core relays about {60 / cpu:.1f} trainers per"
-            f" minute of round interval.")
+            f" (if reducing stays linear in size). With a round a minute, one coordinator core keeps up with about"
+            f" {60 / cpu:.0f} trainers, and a 1 Gbit/s link with about {60 * 125e6 / bytes_:.0f}.")
