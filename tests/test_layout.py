@@ -98,3 +98,30 @@ def test_roles_meet_only_through_the_core():
     for role in ROLES:
         for module, folders in imported_folders(role).items():
             assert folders <= {"hivetrain", role}, module
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level packages `path` imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_a_join_imports_no_other_role_and_none_of_their_libraries():
+    """What `peers/join.py` can import, lazily too: the core and the peer's own code, never the coordinator's, the
+    dashboard's or the benchmarks', nor the libraries only those need (a volunteer installs `hivetrain` alone)."""
+    reached, todo = set(), ["peers.join"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(GRAPH[module])
+    assert "hivetrain.strategy" in reached
+    assert {module.split(".")[0] for module in reached} <= {"hivetrain", "peers"}, sorted(reached)
+    # boto3 is imported for s3:// checkpoint URIs only (hivetrain.checkpoint_location), which a join never names
+    libraries = set().union(*(_top_level_imports(MODULES[module]) for module in reached - {"hivetrain.s3_store"}))
+    assert not libraries & {"streamlit", "boto3", "pandas", "altair", "matplotlib", "tensorboard"}, sorted(libraries)
