@@ -1,0 +1,290 @@
+"""Inside hivemind's averagers: robust aggregation in the all-reduce's part reducer, our subclasses answering under
+hivemind's RPC names, a state server joined on shutdown, and state downloads vetted before they are deserialised."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import hivemind
+import hivemind.averaging.averager
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+
+# A downloaded state may be this many times the averager's own tensors (parameters, and Adam's two statistics), plus
+# this many bytes; a holder sending more is skipped before its tensors are deserialised.
+STATE_BYTES_FACTOR, STATE_BYTES_SLACK = 4, 1 << 16
+STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the state download it is answering
+logger = logging.getLogger(__name__)
+
+
+# --- robust aggregation inside the all-reduce ---------------------------------------------------------------------
+
+class PartCopies:
+    """Stands in for TensorPartReducer's accumulator, a tensor: hivemind adds each sender's copy of the current part
+    into it (add_(part, alpha=weight)) and, once every sender is in, divides it by the summed weight (div_) to get
+    the mean. This keeps the copies and their weights instead, and div_ returns their robust aggregate. That is all
+    the reducer does with its accumulator, so its own bookkeeping (senders that fail, parts in order) stays hivemind's.
+    """
+
+    def __init__(self, shape: torch.Size, aggregation: Any):
+        self.shape, self.aggregation = shape, aggregation
+        self.parts: list[Optional[torch.Tensor]] = []
+        self.weights: list[float] = []
+
+    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> PartCopies:
+        # A copy of the wrong shape is kept as absent: it still counts as this sender's part in hivemind's tally.
+        self.parts.append(part if isinstance(part, torch.Tensor) and part.shape == self.shape else None)
+        self.weights.append(float(alpha))
+        return self
+
+    def div_(self, denominator: float) -> torch.Tensor:
+        return self.aggregation(self.parts, self.weights, self.shape)
+
+
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's TensorPartReducer whose parts come out as `aggregation(copies, weights, shape)` (a
+    hivetrain.robust.RobustAggregation) rather than as the weighted mean of the peers' copies."""
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Any):
+        self.aggregation = aggregation  # before hivemind's __init__, which prepares the first part
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = PartCopies(self.part_shapes[self.current_part_index], self.aggregation)
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's AllReduceRunner whose reducer (the parts this peer reduces) is a RobustPartReducer. hivemind builds
+    its reducer inside __init__ with no hook; this replaces it before any part arrives."""
+
+    def __init__(self, *, aggregation: Any, **kwargs):
+        super().__init__(**kwargs)
+        replaced = self.tensor_part_reducer
+        replaced.finished.set()  # never used: without this its finaliser warns that it received no parts
+        self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, aggregation)
+
+
+MIN_ROBUST_GROUP_SIZE = 3  # the smallest averaging group in which a robust aggregate can outvote one peer
+
+
+class RobustAveraging:
+    """A mixin for a hivemind DecentralizedAverager (put it first among the bases): with `aggregation` (a
+    hivetrain.robust.RobustAggregation) its all-reduce rounds reduce their parts robustly; with None, as hivemind
+    does. The averager's process forks in its __init__ (start=True), so the aggregation is set before that."""
+
+    aggregation: Any = None
+
+    def __init__(self, *args, aggregation: Any = None, **kwargs):
+        self.aggregation = aggregation
+        if aggregation is not None:
+            # Between two copies no aggregate can tell the honest one: CenteredClip and the trimmed mean are both the
+            # mean there. A malicious peer that paired off with one honest peer (groups split when peers reach a round
+            # at different times) ruined it, and then outnumbered the honest copies in later groups.
+            kwargs["min_group_size"] = max(kwargs.get("min_group_size", 2), MIN_ROBUST_GROUP_SIZE)
+        super().__init__(*args, **kwargs)
+
+    # hivemind's DecentralizedAverager._run_allreduce_inplace_, building a RobustAllReduceRunner: hivemind names the
+    # runner class inside the method.
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: Optional[bytes] = None, **kwargs):
+        if self.aggregation is None:
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustAllReduceRunner(
+            aggregation=self.aggregation, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
+            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        if group_id not in self._running_groups:
+            raise RuntimeError(f"group {group_id} was not registered in _register_allreduce_group")
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for unexpected_update in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
+
+def named_for_rpc_as(averager_class: type) -> Callable[[type], type]:
+    """A class decorator: the decorated subclass of `averager_class` takes its name. hivemind names a servicer's RPC
+    protocols after its class ("TrainingStateAverager.rpc_download_state"), so a subclass under a name of its own
+    serves nobody, and no peer can download the state from it or average with it."""
+
+    def rename(subclass: type) -> type:
+        subclass.__name__ = averager_class.__name__
+        return subclass
+
+    return rename
+
+
+class JoinsStateServer(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager whose shutdown waits (STATE_SERVER_JOIN_TIMEOUT at most) for the thread that answers
+    its state downloads in this process. hivemind only tells that thread to stop: one still copying and serializing a
+    state for a downloader, in torch's C++ code, when the process exits aborts it ("terminate called without an
+    active exception", exit code -6, after a peer had saved its weights)."""
+
+    def shutdown(self) -> None:
+        answering = self.is_alive()  # hivemind signals the thread only then
+        super().shutdown()
+        if not answering:
+            return
+        for thread in threading.enumerate():
+            if (getattr(thread, "_target", None) is hivemind.averaging.averager._background_thread_fetch_current_state
+                    and thread._args[1] is self._outer_pipe):
+                thread.join(STATE_SERVER_JOIN_TIMEOUT)
+
+
+@functools.cache
+def robust_averager_class(averager_class: type) -> type:
+    """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging mixed in, under its name (RPC)."""
+    joins = () if issubclass(averager_class, JoinsStateServer) else (JoinsStateServer,)
+    return named_for_rpc_as(averager_class)(type(
+        f"Robust{averager_class.__name__}", (RobustAveraging, *joins, averager_class),
+        {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))
+
+
+class BoundedDownloads(JoinsStateServer):
+    """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
+    process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
+    beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than
+    STATE_BYTES_FACTOR times this averager's own tensors (plus STATE_BYTES_SLACK) is skipped, with a warning, and the
+    next one is asked. hivemind took the first holder's state whole: one declaring the highest priority served
+    joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any size it liked."""
+
+    # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
+    epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
+                                                                  bound=self.epoch_bound())))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
+                                     bound: Optional[int] = None):
+        # as hivemind's: the timeout given bounds the wait for each next part
+        timeout = None if timeout is None else (self.next_chunk_timeout or self.request_timeout)
+        limit = STATE_BYTES_FACTOR * sum(t.numel() * t.element_size() for t in self._averaged_tensors)
+        try:
+            found, _ = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True) or (
+                {}, None)
+            holders = {PeerID(peer_id): (float(entry.value), random.random())  # at random among equals
+                       for peer_id, entry in (found.items() if isinstance(found, dict) else ())
+                       if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))}
+            for peer in sorted(holders, key=holders.get, reverse=True):
+                if peer == self.peer_id:
+                    continue
+                if bound is not None and holders[peer][0] > bound:
+                    _warn_download(peer, f"it declares a state of epoch {holders[peer][0]:g}, beyond {bound}")
+                    continue
+                loaded = await self._download_state(peer, timeout, bound, limit + STATE_BYTES_SLACK)
+                if loaded is not None:
+                    future.set_result(loaded)
+                    return
+        except Exception as e:  # the DHT read failed: no state this time
+            logger.warning(f"Could not look for the swarm's state: {type(e).__name__}: {e}")
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state(self, peer: PeerID, timeout: Optional[float], bound: Optional[int],
+                              limit: int) -> Optional[tuple[Any, list[torch.Tensor]]]:
+        started = time.monotonic()
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, parts, tensors, received = None, [], [], 0
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                    epoch = metadata.get("epoch", metadata.get("round")) if isinstance(metadata, dict) else None
+                    if bound is not None and isinstance(epoch, (int, float)) and epoch > bound:
+                        _warn_download(peer, f"its state is of epoch {epoch}, beyond {bound}")
+                        return None
+                received += len(message.tensor_part.buffer)
+                if received > limit:
+                    _warn_download(peer, f"its state is larger than {limit} bytes")
+                    return None
+                if message.tensor_part.dtype and parts:  # a new tensor begins: the one before is whole
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                    if not self._fits(peer, tensors):
+                        return None
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            if not metadata or not self._fits(peer, tensors) or len(tensors) < len(self._averaged_tensors):
+                return None
+            logger.info(f"Finished downloading state in {time.monotonic() - started:.3f}s from {peer}")
+            return metadata, tensors
+        except Exception as e:  # a holder that vanished or timed out: the next one
+            logger.warning(f"Failed to download state from {peer}: {type(e).__name__}: {e}")
+            return None
+
+
+    def _fits(self, peer: PeerID, tensors: list[torch.Tensor]) -> bool:
+        """Whether the state's tensors so far have the shapes of this averager's own, which lead every state (the
+        parameters): hivemind copies them in unchecked, and a state of another shape failed each load for good."""
+        index = len(tensors) - 1
+        if index < len(self._averaged_tensors) and tensors[index].shape != self._averaged_tensors[index].shape:
+            _warn_download(peer, f"its tensor {index} is of shape {tuple(tensors[index].shape)}, not"
+                                 f" {tuple(self._averaged_tensors[index].shape)}")
+            return False
+        return True
+
+
+def _warn_download(peer: PeerID, why: str) -> None:
+    """At most one warning a minute per holder and reason (each download asks every holder again)."""
+    now, key = time.monotonic(), (peer, why.split(",")[0])
+    if now >= _download_warned.get(key, 0.0):
+        _download_warned[key] = now + 60.0
+        logger.warning(f"Skipping the state of {peer}: {why}")
+
+
+_download_warned: dict = {}
+
+
+@named_for_rpc_as(TrainingStateAverager)  # peers download the state and average under hivemind's name
+class BoundedStateAverager(TrainingStateAverager, BoundedDownloads):
+    """hivemind's TrainingStateAverager that takes from a downloaded state its parameters, statistics and epoch (up to
+    `epoch_bound`), and nothing of its optimizer settings: hivemind loads the sender's param groups (learning rate,
+    betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings are put
+    back before the schedule catches up with the new epoch, which then sets what it schedules (lr, a cyclic
+    schedule's momentum) as it does for every peer."""
+
+    _own_settings: Optional[list[dict]] = None  # during a download: this peer's param groups, without their params
+
+    def load_state_from_peers(self, **kwargs):
+        self._own_settings = [{key: value for key, value in group.items() if key != "params"}
+                              for group in self.optimizer.param_groups]
+        try:
+            return super().load_state_from_peers(**kwargs)
+        finally:
+            self._own_settings = None
+
+    def _update_scheduler(self):
+        # hivemind calls it right after it loaded a downloaded state's settings and epoch
+        if self._own_settings is not None:
+            for group, own in zip(self.optimizer.param_groups, self._own_settings):
+                group.update(own)
+        super()._update_scheduler()
