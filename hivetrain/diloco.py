@@ -37,6 +37,7 @@ from hivetrain.swarm import RECORD_LIFETIME, read_records, withdraw_records
 logger = logging.getLogger(__name__)
 
 GROUPMATES_WAIT = 5.0  # seconds a leaving peer waits at most for the groupmates of its last round to finish it
+GROUPMATE_GONE_AFTER = 1.0  # seconds a groupmate's record must stay missing before the leaver takes it as gone
 
 
 class RoundTracker(HookedProgressTracker):
@@ -338,9 +339,19 @@ class DiLoCoRounds:
         the parts it reduced: a peer that stopped right after its round (--stop-at-epoch) and exited then closed its
         connections under them, and they kept half-averaged parameters, apart from everyone else's."""
         waiting, deadline = set(self.outer.last_groupmates), time.monotonic() + timeout
+        absent_since: dict[bytes, float] = {}
         while waiting:
             records = read_records(self.outer.dht, self.tracker.training_progress_key, LocalTrainingProgress)
-            waiting &= {record.peer_id for record in records if record.epoch < self.round}
-            if not waiting or time.monotonic() > deadline:
+            rounds, now = {record.peer_id: record.epoch for record in records}, time.monotonic()
+            for peer in list(waiting):
+                if peer in rounds:
+                    absent_since.pop(peer, None)
+                    if rounds[peer] >= self.round:
+                        waiting.discard(peer)
+                # Gone once its record stays missing: one read of the DHT can come back without a record that is
+                # there (tests/test_diloco.py saw this wait end at once, the groupmate's record just read at round 0)
+                elif now - absent_since.setdefault(peer, now) >= GROUPMATE_GONE_AFTER:
+                    waiting.discard(peer)
+            if not waiting or now > deadline:
                 break
             time.sleep(0.1)
