@@ -54,7 +54,6 @@ class RoundRelay:
                  robust: bool, events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed):
         self.outer, self.progress_key, self.samples_per_peer = outer, progress_key, samples_per_peer
         self.averaging_timeout, self.robust, self.events, self.report = averaging_timeout, robust, events, report
-        self.rounds_relayed = 0
         self._relaying = False  # the last look found only peers in client mode
         self._last_round: Optional[int] = None  # the last round relayed (or tried)
         self._stop = threading.Event()
@@ -108,7 +107,6 @@ class RoundRelay:
             logger.info(f"Relaying outer round {round_} found no group: {type(e).__name__}: {e}")
             gathered = None
         trainers = 0 if gathered is None else sum(value != RELAY_GATHER for value in gathered.values())
-        self.rounds_relayed += trainers > 0
         # the relay's cost to the coordinator: its averager's process does the reducing
         self.events("relayed", round=round_, trainers=trainers, seconds=time.perf_counter() - started,
                     cpu_seconds=self._averager_cpu_seconds() - cpu_before, bytes=self.outer.relayed_bytes(trainers))

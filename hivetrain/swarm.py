@@ -60,9 +60,9 @@ def group_matchmaking(target_group_size: Optional[int]) -> dict[str, Any]:
 Record = TypeVar("Record", bound=BaseModel)
 
 
-
 class SwarmError(RuntimeError):
     """A problem with the swarm a user can act on; its message is meant to be shown as it is."""
+
 
 def daemon_start_error(error: P2PDaemonError, initial_peers: list[str]) -> SwarmError:
     """What a P2P daemon that did not start means to a user: most often, no initial peer could be reached."""

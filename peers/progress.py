@@ -143,24 +143,21 @@ class SwarmProgress(pl.Callback):
                     swarm_seconds=trainer.strategy.swarm_seconds, probe=parameter_probe(pl_module), **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
                 f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
-        bar = trainer.progress_bar_callback
-        bar.print(line) if bar is not None else print(line, flush=True)
+        _say(trainer, line)
 
     def _print_rejoin_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
         dropped = self.epoch - epoch
         self.events("rejoined", epoch=epoch, dropped=dropped, probe=parameter_probe(pl_module))
         line = (f"Back in step with the swarm at swarm epoch {epoch}: dropped the {dropped} epochs this peer trained"
                 f" beyond it alone | params {parameter_digest(pl_module)}")
-        bar = trainer.progress_bar_callback
-        bar.print(line) if bar is not None else print(line, flush=True)
+        _say(trainer, line)
 
     def _print_rollback_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, record) -> None:
         epoch = trainer.strategy.local_epoch
         self.events("rollback", sequence=record.sequence, best_epoch=record.epoch, epoch=epoch)
         line = (f"Rolled back to the best validated state (swarm epoch {record.epoch}, top-1 {record.top1:.1%}): the"
                 f" coordinator saw {record.reason} | now at swarm epoch {epoch} | params {parameter_digest(pl_module)}")
-        bar = trainer.progress_bar_callback
-        bar.print(line) if bar is not None else print(line, flush=True)
+        _say(trainer, line)
 
     def _publish(self, trainer: pl.Trainer, wait: bool = False, left: bool = False, periodic: bool = False) -> None:
         if not trainer.is_global_zero:  # the other ranks of a peer on several devices never touch the swarm
@@ -218,6 +215,12 @@ class SwarmProgress(pl.Callback):
     def _maybe_stop(self, trainer: pl.Trainer) -> None:
         if self.stop_at_epoch is not None and trainer.strategy.local_epoch >= self.stop_at_epoch:
             trainer.should_stop = True
+
+
+def _say(trainer: pl.Trainer, line: str) -> None:
+    """A line of the peer's console, above the progress bar when there is one."""
+    bar = trainer.progress_bar_callback
+    bar.print(line) if bar is not None else print(line, flush=True)
 
 
 def parameter_digest(module: torch.nn.Module) -> str:

@@ -53,6 +53,13 @@ def live_entries(dht, key: str) -> int:
     return sum(value is not None for value, _ in dht_entries(dht, key))
 
 
+def same_parameters(probe: list[float], other: list[float]) -> bool:
+    """Two samples of the parameters (peers.progress.parameter_probe) equal to float rounding: peers in step agree to
+    the last bits or so, not bit for bit (parameter_digest's docstring), while the epochs a peer trains alone move
+    each parameter by a learning rate's worth or more."""
+    return len(probe) == len(other) and all(abs(x - y) <= 1e-6 + 1e-4 * abs(x) for x, y in zip(probe, other))
+
+
 def assert_clean_error(process: Process, code: int, message: str) -> None:
     """Bad input: exit code 2, one line starting with "error:" that matches `message`, no traceback."""
     assert code == 2, process.lines

@@ -21,7 +21,7 @@ import hivemind
 import pytest
 import torch
 
-from conftest import Process, live_entries, record_reader
+from conftest import Process, live_entries, record_reader, same_parameters
 from hivetrain.clock import EPOCHS_AHEAD
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
@@ -60,12 +60,6 @@ def _probes(process: Process, since: float, until: float = math.inf) -> dict[int
     return {event["epoch"]: event["probe"] for event in process.events("epoch") if since < event["time"] <= until}
 
 
-def _same_parameters(probe: list[float], other: list[float]) -> bool:
-    """To float rounding: peers in step agree to the last bits or so, not bit for bit (parameter_digest's docstring),
-    while the epochs a peer trains alone move each parameter by a learning rate's worth or more."""
-    return len(probe) == len(other) and all(abs(x - y) <= 1e-6 + 1e-4 * abs(x) for x, y in zip(probe, other))
-
-
 def _rejoined(a: Process, b: Process, since: float) -> tuple[float, int] | None:
     """(when, the epoch) once, after `since`, a counts 3 peers again and b ended an epoch with the parameters a ended
     it with: b is back in step, whatever it trained alone."""
@@ -73,7 +67,7 @@ def _rejoined(a: Process, b: Process, since: float) -> tuple[float, int] | None:
     a_probes = _probes(a, since)
     in_step = next(((event["time"], event["epoch"]) for event in b.events("epoch")
                     if event["time"] > since and event["epoch"] in a_probes
-                    and _same_parameters(a_probes[event["epoch"]], event["probe"])), None)
+                    and same_parameters(a_probes[event["epoch"]], event["probe"])), None)
     return (max(counted, in_step[0]), in_step[1]) if counted is not None and in_step is not None else None
 
 
@@ -208,7 +202,7 @@ def run(tmp_path_factory):
             alone = {epoch_: probe for epoch_, probe in _probes(b, cut_at + CUT_MARGIN, until=restored_at).items()
                      if epoch_ in a_probes}
             facts["alone_in_step"] = (len(alone),
-                                      [e for e, probe in alone.items() if _same_parameters(a_probes[e], probe)])
+                                      [e for e, probe in alone.items() if same_parameters(a_probes[e], probe)])
             facts["b_rejoined_events"] = [e for e in b.events("rejoined") if e["time"] > restored_at]
             facts.update(restored_at=restored_at, cut_at=cut_at, rejoined_at_epoch=rejoined[1],
                          counted_during_cut=dict(a={n for t, _, n in _epochs(a, since=cut_at) if t <= restored_at},

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import start_coordinator
+from conftest import same_parameters, start_coordinator
 from hivetrain.metrics_store import MetricsReader
 from benchmarks.netns import NattedNamespace
 
@@ -48,11 +48,6 @@ def test_a_peer_behind_nat_joins_in_client_mode_by_itself(spawn, tmp_path, nat):
 ROUNDS = 6
 
 
-def _same_parameters(probe: list[float], other: list[float]) -> bool:
-    """To float rounding (peers.progress.parameter_probe): peers that averaged agree to the last bits or so."""
-    return len(probe) == len(other) and all(abs(x - y) <= 1e-6 + 1e-4 * abs(x) for x, y in zip(probe, other))
-
-
 def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn, tmp_path, nat, second_nat):
     coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "diloco",
                                                "--inner-steps", "8", "--host", nat.host_ip, "--refresh", "1",
@@ -70,6 +65,6 @@ def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn
                 if event["group_size"] == 2 and rounds["second"].get(round_, {}).get("group_size") == 2]
     assert together, rounds
     # ...and came out of those rounds with the same outer parameters
-    assert any(_same_parameters(rounds["first"][r]["probe"], rounds["second"][r]["probe"]) for r in together), rounds
+    assert any(same_parameters(rounds["first"][r]["probe"], rounds["second"][r]["probe"]) for r in together), rounds
     relayed = [event for event in coordinator.events("relayed") if event["trainers"] == 2]
     assert len(relayed) >= len(together), relayed
