@@ -19,8 +19,10 @@ from torch.utils.data import DataLoader
 from hivetrain.checkpoint import CheckpointError, CheckpointStore
 from hivetrain.clock import read_clock, swarm_epoch
 from hivetrain.config import RunConfig
+from hivetrain.diloco import next_round_time
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
+from hivetrain.record_guard import INT64_MAX
 from hivetrain.rollback import ROUNDS_AHEAD, RollbackRecord
 from hivetrain.telemetry import PeerIdOwners, bounded_sum, finite_or_none, read_peer_records, read_swarm_progress
 
@@ -71,10 +73,15 @@ class SwarmMonitor:
         # compute-only rate that leaves the rounds out: on the sync demo about 20 times what the peers trained.)
         samples_per_second = bounded_sum(r.samples_per_second for r in records)
         swarm = self.config.swarm
-        # diloco: a round is due after H steps of the run's batch per peer (hivetrain.diloco.RoundTracker)
+        # diloco: a round is due after H steps of the run's batch per peer (hivetrain.diloco.RoundTracker), or, paced
+        # in seconds, at its time on the clock's grid, after what the swarm trains in that time
         target = (swarm.inner_steps * self.config.batch_size * max(1, progress.peers) if swarm.mode == "diloco"
                   else swarm.target_batch_size)
         remaining = max(0, target - progress.samples_accumulated)
+        eta = finite_or_none(remaining / samples_per_second) if samples_per_second > 0 else None
+        if swarm.mode == "diloco" and swarm.round_seconds:
+            target = int(min(samples_per_second * swarm.round_seconds, INT64_MAX))
+            eta = next_round_time(now, swarm.round_seconds) - now
         losses = [r.loss for r in records if r.loss is not None]
         snapshot = SwarmSnapshot(
             time=now,
@@ -85,7 +92,7 @@ class SwarmMonitor:
             samples_per_second=samples_per_second,
             samples_accumulated=progress.samples_accumulated,
             target_batch_size=target,
-            eta_seconds=finite_or_none(remaining / samples_per_second) if samples_per_second > 0 else None,
+            eta_seconds=eta,
             mean_loss=mean(losses) if losses else None,
         )
         self.writer.add_snapshot(snapshot)

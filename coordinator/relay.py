@@ -9,7 +9,8 @@ weight and no tensors of its own, the run's robust aggregation applied as on any
 which the peers do not count as a groupmate (OuterState).
 
 Its search for the group starts when the round comes due by the records, as the peers' own do, and lasts the run's
-matchmaking time: the peers that notice the round within it average together.
+matchmaking time: the peers that notice the round within it average together. Rounds paced in seconds fall due on
+the clock's grid (hivetrain.diloco.next_round_time): its group forms when theirs does (group_time).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 import psutil
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 
+from hivetrain.diloco import group_time, next_round_time
 from hivetrain.events import EventLog
 from hivetrain.outer_state import RELAY_GATHER, OuterState
 from hivetrain.swarm import read_records
@@ -46,13 +48,18 @@ class RoundRelay:
             this many per trainer, as the peers' RoundTracker counts.
         averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
         robust: the run aggregates robustly, so its groups hold peers of one round only (OuterState's group bits).
+        round_seconds: the run's rounds paced in seconds (None: by samples, `samples_per_peer`).
+        matchmaking_time: how long ahead of a round paced in seconds its search for the group starts.
         events: where each relayed round is told (`relayed`).
         report: the coordinator's console, told when relaying starts and stops.
     """
 
     def __init__(self, outer: OuterState, progress_key: str, samples_per_peer: int, averaging_timeout: float,
-                 robust: bool, events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed):
+                 robust: bool, events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed,
+                 round_seconds: Optional[float] = None, matchmaking_time: float = 0.0):
         self.outer, self.progress_key, self.samples_per_peer = outer, progress_key, samples_per_peer
+        self.round_seconds, self.matchmaking_time = round_seconds, matchmaking_time
+        self._last_time: Optional[float] = None  # rounds paced in seconds: the grid time last relayed (or tried)
         self.averaging_timeout, self.robust, self.events, self.report = averaging_timeout, robust, events, report
         self._relaying = False  # the last look found only peers in client mode
         self._last_round: Optional[int] = None  # the last round relayed (or tried)
@@ -72,13 +79,14 @@ class RoundRelay:
             try:
                 due = self._due_round()
                 if due is not None:
-                    self._relay(due)
+                    self._relay(*due)
             except Exception as e:  # a DHT read or a round that broke: the next look tries again
                 logger.warning(f"Relaying an outer round failed: {type(e).__name__}: {e}")
 
-    def _due_round(self) -> Optional[int]:
-        """The round to relay now: all trainers are in client mode, two or more, and their samples for their newest
-        round (within the coordinator's clock) reach the target. None otherwise."""
+    def _due_round(self) -> Optional[tuple[int, Optional[float]]]:
+        """The round to relay now, and when it is due when it is paced in seconds: all trainers are in client mode,
+        two or more, and their samples for their newest round (within the coordinator's clock) reach the target, or
+        the round's time on the grid is a matchmaking time away. None otherwise."""
         records = read_records(self.outer.dht, self.progress_key, LocalTrainingProgress)
         bound = self.outer.epoch_bound()
         records = [record for record in records if bound is None or record.epoch <= bound]
@@ -91,18 +99,24 @@ class RoundRelay:
         if not relaying:
             return None
         round_ = max(record.epoch for record in records)
+        if self.round_seconds:
+            now = time.time()
+            at = group_time(next_round_time(now, self.round_seconds), self.matchmaking_time)
+            return (round_, at) if at != self._last_time and at - now <= self.matchmaking_time else None
         samples = sum(record.samples_accumulated for record in records if record.epoch == round_)
         if round_ == self._last_round or samples < self.samples_per_peer * len(records):
             return None
-        return round_
+        return round_, None
 
-    def _relay(self, round_: int) -> None:
-        self._last_round = round_
+    def _relay(self, round_: int, at: Optional[float]) -> None:
+        self._last_round, self._last_time = round_, at
         if self.robust:
             self.outer.set_group_bits(f"{round_ % 4:02b}")
         started, cpu_before = time.perf_counter(), self._averager_cpu_seconds()
+        # paced in seconds: the group forms when the peers' own searches aim (hivetrain.diloco.group_time)
+        wait = max(0.0, at - time.time()) if at is not None else 0.0
         try:
-            gathered = self.outer.step(gather=RELAY_GATHER, timeout=self.averaging_timeout)
+            gathered = self.outer.step(gather=RELAY_GATHER, scheduled_time=at, timeout=wait + self.averaging_timeout)
         except Exception as e:  # no peer came, a groupmate that vanished mid-round
             logger.info(f"Relaying outer round {round_} found no group: {type(e).__name__}: {e}")
             gathered = None

@@ -24,7 +24,8 @@ DEFAULT_PORT = 31337
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS, ROBUST_AGGREGATIONS, SWARM_MODES
+    from hivetrain.config import (COMPRESSIONS, DEFAULT_PRESET, MAX_ROUND_SECONDS, MIN_ROUND_SECONDS, PRESETS,
+                                  ROBUST_AGGREGATIONS, SWARM_MODES)
     from hivetrain.wandb_run import add_wandb_arguments
 
     parser = argparse.ArgumentParser(
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="diloco: run each outer round in the background while the peers take the next round's"
                             " inner steps; --no-overlap-rounds stops training for every round (default: the preset's,"
                             " blocking)")
+    swarm.add_argument("--round-seconds", type=float, default=None, metavar="S",
+                       help="diloco: a round every S seconds of the clock (one grid for all peers) instead of every"
+                            " --inner-steps steps; each peer takes as many inner steps as its device fits in S s and"
+                            " looks for its group ahead of the round (H then only paces the inner LR schedule)")
     swarm.add_argument("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate")
     swarm.add_argument("--outer-momentum", type=float, default=None,
                        help="diloco: the outer SGD's Nesterov momentum (0: plain SGD)")
@@ -146,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--average-state-every must be at least 1")
     if args.inner_steps is not None and args.inner_steps < 1:
         parser.error("--inner-steps must be at least 1")
+    if args.round_seconds is not None and not MIN_ROUND_SECONDS <= args.round_seconds <= MAX_ROUND_SECONDS:
+        parser.error(f"--round-seconds must be from {MIN_ROUND_SECONDS:g} to {MAX_ROUND_SECONDS:g}")
     if args.outer_lr is not None and args.outer_lr <= 0:
         parser.error("--outer-lr must be positive")
     if args.outer_momentum is not None and not 0 <= args.outer_momentum < 1:
@@ -175,7 +182,7 @@ def run_config(args: argparse.Namespace):
     overrides = dict(target_batch_size=args.target_batch_size, matchmaking_time=args.matchmaking_time,
                      grad_compression=args.grad_compression, state_compression=args.state_compression,
                      average_state_every=args.average_state_every, mode=args.mode, inner_steps=args.inner_steps,
-                     overlap_rounds=args.overlap_rounds,
+                     overlap_rounds=args.overlap_rounds, round_seconds=args.round_seconds,
                      outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                      robust_aggregation=args.robust_aggregation, clip_radius=args.clip_radius,
                      trim_fraction=args.trim_fraction, target_group_size=args.target_group_size)
@@ -370,6 +377,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from coordinator.monitor import SwarmMonitor, Validator
     from coordinator.state import make_state_holder
     from hivetrain.clock import EPOCHS_AHEAD, publish_clock
+    from hivetrain.diloco import rounds_description
     from hivetrain.events import EventLog
     from hivetrain.metrics_store import RunInfo
     from hivetrain.rollback import RollbackRecord, publish_rollback
@@ -381,6 +389,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     command = join_command(addresses)
     print(f"Run {config.run_id}: preset {config.preset}, fingerprint {config.fingerprint},"
           f" peer ID {dht.peer_id.to_base58()}", flush=True)
+    if config.swarm.mode == "diloco":
+        print(f"Outer rounds: {rounds_description(config.swarm)}", flush=True)
     if config.swarm.robust_aggregation != "none":
         setting = (f"clip radius {config.swarm.clip_radius:g}" if config.swarm.robust_aggregation == "centered-clip"
                    else f"trim fraction {config.swarm.trim_fraction:g}")

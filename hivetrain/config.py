@@ -111,6 +111,12 @@ class SwarmConfig:
     # Off by default until the convergence suite shows overlapped rounds within 1 point of DDP (logbook/benchmarks.md:
     # at H = 8 on the demo preset they were 0.7 points behind blocking rounds, and both behind DDP).
     overlap_rounds: bool = False
+    # diloco: rounds paced in seconds instead of steps. A round falls due every round_seconds seconds of the wall
+    # clock, on one grid all peers share (hivetrain.diloco.next_round_time), and each peer takes as many inner steps
+    # as its device fits in that time: a GPU peer and a CPU peer share one schedule, each pseudo-gradient weighted by
+    # its samples. Each peer looks for its group ahead of the round, so matchmaking is off the critical path.
+    # inner_steps stays the nominal H, which the inner LR schedule counts per round. None: rounds of H steps.
+    round_seconds: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,10 @@ class RunConfig:
             raise ValueError(f"swarm mode {self.swarm.mode!r} is not one of {', '.join(SWARM_MODES)}")
         if self.swarm.inner_steps < 1:
             raise ValueError("swarm.inner_steps must be at least 1")
+        seconds = self.swarm.round_seconds
+        if seconds is not None and not MIN_ROUND_SECONDS <= seconds <= MAX_ROUND_SECONDS:
+            raise ValueError(f"swarm.round_seconds must be from {MIN_ROUND_SECONDS:g} to {MAX_ROUND_SECONDS:g}"
+                             " (or None: rounds of inner_steps steps)")
         if self.swarm.outer_lr <= 0 or not 0 <= self.swarm.outer_momentum < 1:
             raise ValueError("need swarm.outer_lr > 0 and 0 <= swarm.outer_momentum < 1")
         if self.swarm.robust_aggregation not in ROBUST_AGGREGATIONS:
@@ -209,7 +219,9 @@ ROBUST_AGGREGATIONS = ("none", "centered-clip", "trimmed-mean")
 # section -> setting -> the value that keeps the behaviour from before the setting existed (see RunConfig.to_dict)
 SETTINGS_ADDED_LATER: dict[str, dict[str, Any]] = {"swarm": {
     "target_group_size": None, "robust_aggregation": "none", "clip_radius": 1.0, "trim_fraction": 0.25,
-    "overlap_rounds": False}}
+    "overlap_rounds": False, "round_seconds": None}}
+# Rounds paced in seconds: under a second leaves no time to find a group; over a day, a peer's record lapses first.
+MIN_ROUND_SECONDS, MAX_ROUND_SECONDS = 1.0, 86_400.0
 
 PRESETS: dict[str, RunConfig] = {
     # A tiny ViT on scikit-learn's bundled digits, upscaled to 32 px: trains on two CPU cores in minutes.

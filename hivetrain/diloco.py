@@ -12,11 +12,18 @@ When a round starts: once the samples the swarm trained since the last round rea
 (peers in the progress records), i.e. once the peers have taken H local steps each on average. Nobody waits for a
 slow peer's H-th step: a fast peer takes more inner steps, a slow one fewer, and each pseudo-gradient counts in
 proportion to its samples.
+
+Rounds paced in seconds (`round_seconds` S, the coordinator's --round-seconds): a round falls due at every S seconds of
+the wall clock (next_round_time), the same grid on every peer, and each peer takes as many inner steps as its device
+fits in between: a GPU peer and a CPU peer share one schedule, each pseudo-gradient weighted by its samples. The grid
+being known ahead, a peer starts looking for its group a matchmaking time before the round is due (hivemind's
+scheduled step, OuterState.schedule_round), and the round's all-reduce starts with the group already formed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -24,10 +31,12 @@ from typing import Optional, Sequence
 
 import torch
 from hivemind import DHT
+from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
+from hivetrain.config import SwarmConfig
 from hivetrain.hivemind_internals import HookedProgressTracker
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
@@ -40,19 +49,54 @@ GROUPMATES_WAIT = 5.0  # seconds a leaving peer waits at most for the groupmates
 GROUPMATE_GONE_AFTER = 1.0  # seconds a groupmate's record must stay missing before the leaver takes it as gone
 
 
+def next_round_time(after: float, round_seconds: float) -> float:
+    """When the next round paced in seconds falls due: the first multiple of `round_seconds` since the Unix epoch
+    after `after` (a Unix time). Every peer derives the same grid from its own clock, with nobody's word to trust and
+    nothing to agree on, so a joiner falls into the swarm's schedule at once. Peers' clocks must agree to well within
+    the matchmaking time, as hivemind's matchmaking itself assumes (NTP keeps them within milliseconds)."""
+    return (math.floor(after / round_seconds) + 1) * round_seconds
+
+
+def group_time(round_time: float, matchmaking_time: float) -> float:
+    """When the group of a round paced in seconds forms: half a matchmaking time before the round falls due, so that
+    the group stands ready (waiting for each peer's trigger) when it does. Its search starts a matchmaking time
+    earlier still (hivemind's matchmaking lasts at least that long). Peers and the coordinator's relay all aim at this
+    time: hivemind's leader turns away a follower whose search ends later than its own."""
+    return round_time - matchmaking_time / 2
+
+
+def rounds_description(swarm: SwarmConfig) -> str:
+    """How a diloco run's rounds are paced and run, in words (the coordinator's and each peer's console)."""
+    paced = (f"every {swarm.round_seconds:g} s of the clock, each peer taking the inner steps its device fits, its"
+             f" group looked for ahead" if swarm.round_seconds else f"every {swarm.inner_steps} inner steps per peer")
+    run = "overlapped with the next inner steps" if swarm.overlap_rounds else "blocking (training stops for each round)"
+    return f"{paced}; {run}"
+
+
 class RoundTracker(HookedProgressTracker):
     """hivemind's progress tracker whose target is H inner steps of the run's batch per peer in the records: a round
     is due once the swarm as a whole has trained that many samples since the last one."""
 
-    def __init__(self, *args, samples_per_peer: int, **kwargs):
-        self.samples_per_peer = samples_per_peer
+    def __init__(self, *args, samples_per_peer: int, round_seconds: Optional[float] = None, **kwargs):
+        self.samples_per_peer, self.round_seconds = samples_per_peer, round_seconds
         super().__init__(*args, target_batch_size=samples_per_peer, **kwargs)
 
     def before_parsing_progress(self, metadata):
-        peers = sum(1 for entry in metadata.values() if getattr(entry, "value", None) is not None) \
-            if isinstance(metadata, dict) else 0
-        self.target_batch_size = self.samples_per_peer * max(1, peers)
+        values = [entry.value for entry in metadata.values() if getattr(entry, "value", None) is not None] \
+            if isinstance(metadata, dict) else []
+        self.target_batch_size = self.samples_per_peer * max(1, len(values))
+        if self.round_seconds is not None and (rates := _training_rates(values)):
+            # Rounds paced in seconds fall due by the clock (DiLoCoRounds.round_due); the target only says what the
+            # swarm trains in a round, for the epoch's samples/s and hivemind's estimate of the next round's arrival
+            self.target_batch_size = max(1, int(self.round_seconds * min(sum(rates), 1e18)))
         return super().before_parsing_progress(metadata)
+
+
+def _training_rates(values: list) -> list[float]:
+    """The samples/s each progress record states (hivemind's compute-only rate), where it is a usable number."""
+    rates = [value.get("samples_per_second") if isinstance(value, dict) else None for value in values]
+    return [float(rate) for rate in rates
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0]
 
 
 class RoundInFlight:
@@ -72,7 +116,7 @@ class RoundInFlight:
     minus local parameters) carries those steps to the swarm."""
 
     def __init__(self, outer: OuterState, parameters: Sequence[torch.Tensor], weight: float,
-                 timeout: Optional[float]):
+                 timeout: Optional[float], scheduled: Optional[StepControl] = None):
         self.round, self.weight = outer.round, weight
         self.result: Optional[bool] = None  # as OuterState.outer_step's
         self.seconds = 0.0  # the round's wall time in the background, set when it has finished
@@ -81,11 +125,12 @@ class RoundInFlight:
         self._corrections: queue.SimpleQueue = queue.SimpleQueue()
         # On the parameters' device, a copy taken in a moment: the thread moves it to the host while training goes on
         snapshot = [p.detach().clone() for p in parameters]
-        self._thread = threading.Thread(target=self._run, args=(outer, snapshot, timeout), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(outer, snapshot, timeout, scheduled), daemon=True,
                                         name=f"outer-round-{self.round}")
         self._thread.start()
 
-    def _run(self, outer: OuterState, snapshot: list[torch.Tensor], timeout: Optional[float]) -> None:
+    def _run(self, outer: OuterState, snapshot: list[torch.Tensor], timeout: Optional[float],
+             scheduled: Optional[StepControl]) -> None:
         started, own = time.perf_counter(), []
         try:
             local = [t.to("cpu", torch.float32) for t in snapshot]
@@ -96,7 +141,7 @@ class RoundInFlight:
                     own.extend(p.clone() for p in outer.outer_parameters)
                 self._corrections.put([o - l for o, l in zip(own, local)])
 
-            self.result = outer.outer_step(local, self.weight, timeout, after_own_step=eager)
+            self.result = outer.outer_step(local, self.weight, timeout, after_own_step=eager, scheduled=scheduled)
             if self.result:  # averaged with others (alone or failed, the outer parameters are this peer's own step)
                 with outer.get_tensors(), torch.no_grad():
                     self._corrections.put([p - o for p, o in zip(outer.outer_parameters, own)])
@@ -126,8 +171,9 @@ class DiLoCoRounds:
     outer parameters into the model.
 
     Blocking rounds (`overlap=False`) stop the inner steps until the round has averaged. Overlapped rounds run in the
-    background (RoundInFlight) while the peer takes the next round's inner steps; the peer waits for one only when it
-    has taken H inner steps since it began and the round has not finished yet (`wait_seconds`).
+    background (RoundInFlight) while the peer takes the next round's inner steps; the peer waits for one only when
+    its next round is due (H inner steps since it began, or the next time on the grid of rounds paced in seconds) and
+    the round has not finished yet (`wait_seconds`).
 
     `swarm_seconds` adds up the wall time the inner steps stood still for the swarm: blocking rounds, state downloads,
     and for overlapped rounds their start, corrections and waits; `communication_seconds` the wall time of overlapped
@@ -139,9 +185,11 @@ class DiLoCoRounds:
                  averaging_timeout: float, next_chunk_timeout: float, compression: CompressionBase = NoCompression(),
                  state_compression: CompressionBase = NoCompression(), load_state_timeout: float = 60.0,
                  private_key: Optional[RSAPrivateKey] = None, aggregation: Optional[RobustAggregation] = None,
-                 target_group_size: Optional[int] = None, overlap: bool = False):
+                 target_group_size: Optional[int] = None, overlap: bool = False,
+                 round_seconds: Optional[float] = None):
         self.parameters = list(parameters)
-        self.inner_steps, self.overlap = inner_steps, overlap
+        self.inner_steps, self.overlap, self.round_seconds = inner_steps, overlap, round_seconds
+        self.matchmaking_time = matchmaking_time
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.withdrawn = False  # this peer's records are withdrawn: it is leaving
         self.outer = OuterState(
@@ -151,9 +199,15 @@ class DiLoCoRounds:
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
-                                            metadata_expiration=RECORD_LIFETIME, private_key=private_key, start=True)
+                                            round_seconds=round_seconds, metadata_expiration=RECORD_LIFETIME,
+                                            private_key=private_key, start=True)
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
+        self.last_round_steps: Optional[int] = None  # the inner steps behind this peer's last round
+        # Rounds paced in seconds: when this peer's next round falls due, and its group looked for ahead (its round)
+        self.next_round_at = next_round_time(time.time(), round_seconds) if round_seconds else None
+        self.scheduled: Optional[tuple[int, StepControl]] = None
+        self.rounds_group_ready = 0  # rounds looked for ahead whose group stood ready when they fell due
         self.flight: Optional[RoundInFlight] = None  # the overlapped round in the background
         self.swarm_seconds = self.wait_seconds = self.communication_seconds = 0.0
         self.last_overlapped_steps: Optional[int] = None  # inner steps taken while the last overlapped round ran
@@ -177,9 +231,10 @@ class DiLoCoRounds:
         self.finish_round()
         started = time.perf_counter()
         try:
+            self.cancel_scheduled()  # its round's group: this peer's round may change now
             loaded = self.outer.load_from_peers(timeout=self.load_state_timeout)
             self.outer.copy_to(self.parameters)
-            self.samples = self.inner_steps_since_round = 0
+            self._begin_inner_steps()
             with self.tracker.pause_updates():
                 self.tracker.update_epoch(self.outer.round)
             self.outer.advertise_round()
@@ -200,20 +255,21 @@ class DiLoCoRounds:
             logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
             self.finish_round()
             self.outer.copy_to(self.parameters)
-            self.samples = self.inner_steps_since_round = 0
+            self._begin_inner_steps()
             self.tracker.report_local_progress(self.outer.round, 0)
             return True
         self.samples += samples
         self.inner_steps_since_round += 1
         if self.flight is not None:
             self.flight.inner_steps += 1
-            if self.inner_steps_since_round < self.inner_steps:
+            if not self._next_round_due():
                 # still this round's samples to the others: they may not have started it yet
                 self.tracker.report_local_progress(self.flight.round, int(self.flight.weight) + self.samples)
                 return changed
             landed = changed = self.finish_round()  # this peer's next round is due: the last one must land first
         self.tracker.report_local_progress(self.outer.round, self.samples)
         if landed:
+            self._maybe_schedule_round()
             return changed
         if self.tracker.global_epoch > self.outer.round:
             logger.warning(f"Missed outer round {self.outer.round}: loading the swarm's state")
@@ -221,6 +277,7 @@ class DiLoCoRounds:
             self.load_state_from_peers()
             return True
         if not self.round_due:
+            self._maybe_schedule_round()
             return changed
         if self.overlap:
             self.start_round()
@@ -230,10 +287,56 @@ class DiLoCoRounds:
 
     @property
     def round_due(self) -> bool:
-        """Samples the peers reported for this round (this peer's own counted at once) reach the target. hivemind's
-        own readiness also fires on an estimated time of arrival, which let a peer that had just joined start a
-        round at its first step, before the others were due."""
+        """Rounds paced in seconds: the clock reached this round's time on the grid, and this peer trained since its
+        last round. Otherwise: samples the peers reported for this round (this peer's own counted at once) reach the
+        target. hivemind's own readiness also fires on an estimated time of arrival, which let a peer that had just
+        joined start a round at its first step, before the others were due."""
+        if self.next_round_at is not None:
+            return self.samples > 0 and time.time() >= self.next_round_at
         return self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
+
+    def _next_round_due(self) -> bool:
+        """While a round is in flight: whether this peer's next one is due already (it must wait for the last)."""
+        if self.next_round_at is not None:
+            return time.time() >= self.next_round_at
+        return self.inner_steps_since_round >= self.inner_steps
+
+    def _begin_inner_steps(self) -> None:
+        """A round started, landed or was replaced by a state: count this peer's inner steps toward the next one."""
+        self.samples = self.inner_steps_since_round = 0
+        if self.round_seconds:
+            self.next_round_at = next_round_time(time.time(), self.round_seconds)
+
+    def _maybe_schedule_round(self) -> None:
+        """Rounds paced in seconds, between two inner steps: once the next round's group forms within a matchmaking
+        time (group_time), start looking for it (hivemind looks for one group at a time: not while a round is in
+        flight)."""
+        if self.next_round_at is None or self.scheduled is not None or self.flight is not None:
+            return
+        forms = group_time(self.next_round_at, self.matchmaking_time)
+        if self._others_due() is None or time.time() < forms - self.matchmaking_time:
+            return
+        try:
+            self.scheduled = (self.outer.round, self.outer.schedule_round(forms, self.averaging_timeout))
+        except Exception as e:  # the averager shutting down under it: the round looks for its group when due
+            logger.debug(f"Could not look ahead for outer round {self.outer.round}'s group: {type(e).__name__}: {e}")
+
+    def _take_scheduled(self) -> Optional[StepControl]:
+        """The group looked for ahead for the round starting now, if it was looked for at this round."""
+        scheduled, self.scheduled = self.scheduled, None
+        if scheduled is None:
+            return None
+        round_, control = scheduled
+        if round_ == self.outer.round:
+            return control
+        control.cancel()
+        return None
+
+    def cancel_scheduled(self) -> None:
+        """Give up the group looked for ahead (leaving, or this peer's round changing under it)."""
+        if self.scheduled is not None:
+            self.scheduled[1].cancel()
+            self.scheduled = None
 
     def _others_due(self) -> Optional[float]:
         """The averaging timeout when others train in the swarm; None when this peer is alone (its step only)."""
@@ -249,9 +352,11 @@ class DiLoCoRounds:
         round_ = self.outer.round
         try:
             with self.tracker.pause_updates():
-                result = self.outer.outer_step(self.parameters, weight=float(self.samples), timeout=self._others_due())
+                self.last_round_steps = self.inner_steps_since_round
+                result = self.outer.outer_step(self.parameters, weight=float(self.samples), timeout=self._others_due(),
+                                               scheduled=self._take_scheduled())
                 self.outer.copy_to(self.parameters)
-                self.samples = self.inner_steps_since_round = 0
+                self._begin_inner_steps()
                 self.tracker.update_epoch(self.outer.round)
             self.outer.advertise_round()
         finally:
@@ -263,8 +368,10 @@ class DiLoCoRounds:
         if not self.samples:
             return
         started = time.perf_counter()
-        self.flight = RoundInFlight(self.outer, self.parameters, float(self.samples), self._others_due())
-        self.samples = self.inner_steps_since_round = 0
+        self.last_round_steps = self.inner_steps_since_round
+        self.flight = RoundInFlight(self.outer, self.parameters, float(self.samples), self._others_due(),
+                                    scheduled=self._take_scheduled())
+        self._begin_inner_steps()
         self.swarm_seconds += time.perf_counter() - started
 
     def finish_round(self, timeout: Optional[float] = None) -> bool:
@@ -306,6 +413,7 @@ class DiLoCoRounds:
         return True
 
     def _count_round(self, round_: int, result: Optional[bool]) -> None:
+        self.rounds_group_ready += bool(self.outer.group_ready_when_due)
         if result is None:
             self.rounds_failed += 1
             logger.warning(f"Outer round {round_} could not be averaged with the swarm: this peer took its own step")
@@ -326,6 +434,7 @@ class DiLoCoRounds:
         """Leave: withdraw this peer's records (if not done at the first sign of leaving), let the groupmates of its
         last round finish it, then stop."""
         self.withdraw()
+        self.cancel_scheduled()
         # a round in flight has groupmates that wait for this peer's parts: let it finish, within reason
         self.finish_round(timeout=GROUPMATES_WAIT)
         if self.flight is None:  # the model leaves as the swarm's (--save-weights), without the steps since the round

@@ -10,7 +10,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from hivemind import DHT
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.utils import get_dht_time
 
 from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
 from hivetrain.record_guard import warn_skipped
@@ -80,6 +82,8 @@ class OuterState(RobustAveraging, BoundedDownloads):
         self.last_group_size = 0  # peers in its last round, itself included
         self.last_groupmates: list[bytes] = []  # the others of its last round (peer IDs): see DiLoCoRounds.shutdown
         self.states_served = 0  # state downloads this peer has answered (benchmarks.scale: where joiners go)
+        # A round whose group was looked for ahead (schedule_round): whether the group stood ready when it fell due
+        self.group_ready_when_due: Optional[bool] = None
         self.compression = compression
         # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
         # peer's alone, and a joiner must not download it.
@@ -131,8 +135,34 @@ class OuterState(RobustAveraging, BoundedDownloads):
         metadata, tensors = loaded  # its round within the bound (BoundedDownloads)
         return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
 
+    def _robust_group(self, round_: int) -> None:
+        if self.aggregation is not None:
+            # A robust aggregate outvotes an attacker only while the honest copies agree. A groupmate from an
+            # earlier round is honest but far from the others: in a group of three with it, the attacker's copy
+            # moved the result that far (tests/test_attacks.py saw two honest peers end at 29% top-1). Robust runs
+            # group only peers of the same round (its last two bits in the group key); a peer that fell behind
+            # finds no group, takes its own step, and loads the swarm's state at its next look.
+            self.set_group_bits(f"{round_ % 4:02b}")
+
+    def schedule_round(self, at: float, timeout: float) -> StepControl:
+        """Look for this round's group from now on, to be formed at `at`; its all-reduce then waits for outer_step to
+        trigger it with this peer's outer parameters (hivemind's scheduled step): the group is found while the peer
+        still trains, and matchmaking leaves the round's critical path.
+
+        Args:
+            at: when the group forms (a Unix time, as hivemind's DHT time); every groupmate aims at the same.
+            timeout: seconds after `at` to go on looking for a group.
+
+        Returns:
+            hivemind's StepControl, to hand to outer_step (or to cancel when the round changes under it).
+        """
+        self._robust_group(self.round)
+        return self.step(gather=self.round, scheduled_time=at, timeout=max(0.0, at - get_dht_time()) + timeout,
+                         require_trigger=True, wait=False)
+
     def outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
-                   after_own_step: Optional[Callable[[], None]] = None) -> Optional[bool]:
+                   after_own_step: Optional[Callable[[], None]] = None,
+                   scheduled: Optional[StepControl] = None) -> Optional[bool]:
         """One round: the outer step on this peer's pseudo-gradient (outer minus local parameters), then, unless
         `timeout` is None (alone), the outer parameters averaged with the group, weighted by `weight`. Returns True
         when averaged with others, False when alone, None when averaging failed (the peer keeps its own step).
@@ -143,12 +173,14 @@ class OuterState(RobustAveraging, BoundedDownloads):
             timeout: seconds to find a group; None: no others, the step is this peer's alone.
             after_own_step: called once the outer parameters hold this peer's own outer step, before the group
                 averages them (an overlapped round applies that step to the inner steps at once: RoundInFlight).
+            scheduled: this round's group, looked for ahead (schedule_round at this round): its all-reduce is
+                triggered here. Cancelled when `timeout` is None.
         """
         with self.round_lock:
-            return self._outer_step(local_parameters, weight, timeout, after_own_step)
+            return self._outer_step(local_parameters, weight, timeout, after_own_step, scheduled)
 
     def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
-                    after_own_step: Optional[Callable[[], None]]) -> Optional[bool]:
+                    after_own_step: Optional[Callable[[], None]], scheduled: Optional[StepControl]) -> Optional[bool]:
         lr, m = self.outer_lr, self.outer_momentum
         with self.get_tensors(), torch.no_grad():
             anchors, squares = [], 0.0
@@ -162,19 +194,21 @@ class OuterState(RobustAveraging, BoundedDownloads):
         started_round, self.round = self.round, self.round + 1
         if after_own_step is not None:
             after_own_step()
-        averaged = False
+        averaged, self.group_ready_when_due = False, None
+        if timeout is None and scheduled is not None:
+            scheduled.cancel()
         if timeout is not None:
-            if self.aggregation is not None:
-                # A robust aggregate outvotes an attacker only while the honest copies agree. A groupmate from an
-                # earlier round is honest but far from the others: in a group of three with it, the attacker's copy
-                # moved the result that far (tests/test_attacks.py saw two honest peers end at 29% top-1). Robust runs
-                # group only peers of the same round (its last two bits in the group key); a peer that fell behind
-                # finds no group, takes its own step, and loads the swarm's state at its next look.
-                self.set_group_bits(f"{started_round % 4:02b}")
             try:
-                # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
-                # progress, and a slow peer after its current step.
-                gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
+                if scheduled is not None:
+                    self.group_ready_when_due = scheduled.stage == AveragingStage.AWAITING_TRIGGER
+                    scheduled.weight = weight
+                    scheduled.allow_allreduce()
+                    gathered = scheduled.result()
+                else:
+                    self._robust_group(started_round)
+                    # Retries until `timeout`: the others notice that the round is due at their next look at the
+                    # swarm's progress, and a slow peer after its current step.
+                    gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
             except Exception as e:  # no group, a groupmate that vanished mid-round
                 logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
                 gathered = None

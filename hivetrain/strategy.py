@@ -365,6 +365,7 @@ def make_rounds(options: HivemindOptions, dht: hivemind.DHT, parameters: list[to
         state_compression=COMPRESSION[options.state_compression](), load_state_timeout=options.load_state_timeout,
         aggregation=RobustAggregation.for_swarm(options),
         target_group_size=options.target_group_size, overlap=options.overlap_rounds,
+        round_seconds=options.round_seconds,
     )
 
 

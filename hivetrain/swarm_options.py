@@ -44,6 +44,7 @@ class HivemindOptions:
     mode: str = "sync"
     inner_steps: int = 50
     overlap_rounds: bool = False  # diloco: each round in the background while the next inner steps run
+    round_seconds: Optional[float] = None  # diloco: a round every S seconds of the clock, not every inner_steps steps
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     # How each all-reduce part combines the peers' copies (hivetrain.robust): "none" (hivemind's weighted mean),

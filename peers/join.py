@@ -295,6 +295,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
 
     from hivetrain.batch_size import BatchChoice, BatchSearchError
     from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.diloco import rounds_description
     from hivetrain.events import EventLog
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
@@ -336,6 +337,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
               f" speedups: {' '.join(speedup for speedup, on in speedups.items() if on) or 'none'},"
               f" {'client mode' if client_mode else 'reachable'}", flush=True)
         print(f"Batch: {choice.describe()}{', per device' if devices > 1 else ''}", flush=True)
+        if config.swarm.mode == "diloco":
+            print(f"Outer rounds: {rounds_description(config.swarm)}", flush=True)
 
     try:
         if speaks:

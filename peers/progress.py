@@ -138,7 +138,10 @@ class SwarmProgress(pl.Callback):
                           round_bytes=rounds.outer.last_round_bytes if rounds.outer.last_group_size else None,
                           # overlapped rounds: inner steps taken while the round ran, and the waits for rounds so far
                           overlapped_steps=rounds.last_overlapped_steps, wait_seconds=rounds.wait_seconds,
-                          communication_seconds=rounds.communication_seconds)
+                          communication_seconds=rounds.communication_seconds,
+                          # this peer's inner steps behind its last round (paced in seconds: what its device fit), and
+                          # of its rounds whose group was looked for ahead, those where it stood ready when due
+                          round_steps=rounds.last_round_steps, rounds_group_ready=rounds.rounds_group_ready)
         self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss),
                     swarm_seconds=trainer.strategy.swarm_seconds, probe=parameter_probe(pl_module), **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"

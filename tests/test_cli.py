@@ -131,6 +131,11 @@ def test_swarm_settings_change_the_published_run_config():
     assert grouped.fingerprint != ungrouped.fingerprint  # peers of a grouped and an ungrouped run never mix
     # a run without groups keeps the fingerprint it had before the setting existed (its checkpoints still resume)
     assert "target_group_size" not in ungrouped.to_json()
+    paced = run_config(parse_args(["--preset", "demo", "--mode", "diloco", "--round-seconds", "30"]))
+    assert paced.swarm.round_seconds == 30.0 and paced.fingerprint != preset.fingerprint
+    assert RunConfig.from_json(paced.to_json()) == paced and "round_seconds" not in preset.to_json()
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "demo", "--round-seconds", "0.1"])
 
 
 def test_target_batch_below_the_step_batch_is_refused(spawn, tmp_path):

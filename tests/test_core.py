@@ -44,6 +44,11 @@ def test_config_rejects_bad_values():
         config.replace(swarm=dataclasses.replace(swarm, robust_aggregation="centered-clip", clip_radius=0.0))
     with pytest.raises(ValueError, match="trim_fraction"):
         config.replace(swarm=dataclasses.replace(swarm, robust_aggregation="trimmed-mean", trim_fraction=0.5))
+    for seconds in (0.5, float("nan"), float("inf"), 86_401.0):  # a run record from the DHT may say anything
+        with pytest.raises(ValueError, match="round_seconds"):
+            config.replace(swarm=dataclasses.replace(swarm, round_seconds=seconds))
+    with pytest.raises(ValueError, match="not a valid RunConfig"):
+        RunConfig.from_dict({**config.to_dict(), "swarm": {**config.to_dict()["swarm"], "round_seconds": "soon"}})
 
 
 def test_robust_aggregation_is_part_of_the_fingerprint():

@@ -263,3 +263,68 @@ def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_me
             peer.shutdown()
     for model in models:  # a peer leaves with the swarm's outer parameters
         torch.testing.assert_close(_flat(model.parameters()), outer, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_time(dhts, overlap):
+    """Two peers whose steps take 0.02 s and 0.25 s, in rounds of 3 s: their rounds fall due at the same times of the
+    clock's grid, each takes the inner steps its speed fits (the fast one many more), their groups are looked for
+    ahead and stand ready when the rounds fall due, and they end at the same outer parameters."""
+    seconds, step_times, last_round = 3.0, (0.02, 0.25), 3
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    rounds = [DiLoCoRounds(dht, "test_paced", list(model.parameters()), inner_steps=4, batch_size=1, outer_lr=0.7,
+                           outer_momentum=0.9, matchmaking_time=1.0, averaging_timeout=10.0,
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
+                           overlap=overlap, round_seconds=seconds)
+              for dht, model in zip(dhts(2), models)]
+    due_times: list[list[float]] = [[], []]  # when each round a peer started had fallen due
+    steps_per_round: list[list[int]] = [[], []]
+    errors = []
+
+    def train(index: int) -> None:
+        peer, model = rounds[index], models[index]
+        generator = torch.Generator().manual_seed(index)
+        deadline = time.monotonic() + 60
+        try:
+            while peer.round < last_round and time.monotonic() < deadline:
+                with torch.no_grad():  # an "inner step"
+                    for parameter in model.parameters():
+                        parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=0.01)
+                time.sleep(step_times[index])
+                due = peer.next_round_at
+                peer.after_inner_step(1)
+                if peer.inner_steps_since_round == 0:  # a round started (blocking: and ended) at this step
+                    due_times[index].append(due)
+                    steps_per_round[index].append(peer.last_round_steps)
+            peer.finish_round(timeout=30)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    try:
+        for peer in rounds:
+            peer.tracker.report_local_progress(0, 1)
+        deadline = time.monotonic() + 30
+        while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
+            assert time.monotonic() < deadline, "the peers never saw each other"
+            time.sleep(0.1)
+        threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert [peer.round for peer in rounds] == [last_round] * 2
+        for times in due_times:  # on the grid, and the same grid times for both
+            assert times and all(t % seconds == 0 for t in times), times
+        assert due_times[0] == due_times[1]
+        assert all(peer.rounds_averaged >= last_round - 1 for peer in rounds), [p.rounds_averaged for p in rounds]
+        # after the first (partial) round, the fast peer fits many more inner steps in a round than the slow one
+        fast, slow = (sorted(steps[1:])[len(steps[1:]) // 2] for steps in steps_per_round)
+        assert fast > 3 * slow, steps_per_round
+        assert all(peer.rounds_group_ready >= 1 for peer in rounds), [p.rounds_group_ready for p in rounds]
+        torch.testing.assert_close(_flat(rounds[0].outer.outer_parameters), _flat(rounds[1].outer.outer_parameters),
+                                   rtol=0, atol=1e-5)
+    finally:
+        for peer in rounds:
+            peer.shutdown()

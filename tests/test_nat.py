@@ -48,9 +48,14 @@ def test_a_peer_behind_nat_joins_in_client_mode_by_itself(spawn, tmp_path, nat):
 ROUNDS = 6
 
 
-def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn, tmp_path, nat, second_nat):
+# Rounds of 8 inner steps, or paced in seconds, where the coordinator's group must form when the peers' searches aim
+PACINGS = {"steps": ("--inner-steps", "8"), "seconds": ("--inner-steps", "8", "--round-seconds", "3")}
+
+
+@pytest.mark.parametrize("pacing", PACINGS)
+def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn, tmp_path, nat, second_nat, pacing):
     coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "diloco",
-                                               "--inner-steps", "8", "--host", nat.host_ip, "--refresh", "1",
+                                               *PACINGS[pacing], "--host", nat.host_ip, "--refresh", "1",
                                                events=tmp_path / "coordinator.events")
     peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
                          "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
