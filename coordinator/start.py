@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                           " ~/.cache/hivetrain/<run-id>/coordinator.key; created on first start). It also signs the"
                           " run and rollback records: the peer ID in the join command pins it, so keep it safe")
     net.add_argument("--require-token", action="store_true",
-                     help="private run: only peers with a token from `issue-token` may join (see --authority-key)")
+                     help="private run: only peers with a token from `issue-token` may join (see --authority-key;"
+                          " `revoke-token` takes one back)")
     net.add_argument("--authority-key", default=None, metavar="FILE",
                      help="the key that signs the run's tokens (default: ~/.cache/hivetrain/<run-id>/authority.key;"
                           " created on first use)")
@@ -215,46 +216,12 @@ def status_line(snapshot, looked_seconds: float, mode: str) -> str:
             f"{snapshot.target_batch_size} samples toward the next epoch{eta}{loss}{looked}")
 
 
-def authority_path(authority_key: str | None, run_id: str) -> Path:
-    return Path(authority_key or Path.home() / ".cache" / "hivetrain" / run_id / "authority.key")
-
-
-def issue_token(argv: list[str]) -> int:
-    from datetime import datetime
-
-    from hivetrain.access import issue_grant, load_key, parse_lifetime
-    from hivetrain.config import DEFAULT_PRESET, PRESETS, get_preset
-
-    parser = argparse.ArgumentParser(
-        prog="python coordinator/start.py issue-token",
-        description="Print an access token for one volunteer of a private run (started with --require-token). The"
-                    " volunteer joins with --token TOKEN (or HIVETRAIN_TOKEN=TOKEN).",
-    )
-    parser.add_argument("name", help="who the token is for (their display name in the swarm)")
-    parser.add_argument("--expires", default="7d", help="lifetime: 30m, 12h, 7d, 2w (default: %(default)s)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
-                        help="the run's preset, to find its default run id (default: %(default)s)")
-    parser.add_argument("--run-id", help="the run's id, as given to the coordinator (default: the preset's)")
-    parser.add_argument("--authority-key", default=None, metavar="FILE",
-                        help="the run's authority key (default: ~/.cache/hivetrain/<run-id>/authority.key)")
-    args = parser.parse_args(argv)
-    try:
-        lifetime = parse_lifetime(args.expires)
-        path = authority_path(args.authority_key, args.run_id or get_preset(args.preset).run_id)
-        grant = issue_grant(load_key(path), args.name, lifetime)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(grant.encode())
-    print(f"Token for {grant.name}, valid until {datetime.fromtimestamp(grant.expires):%Y-%m-%d %H:%M}, signed with"
-          f" {path}", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["issue-token"]:
-        return issue_token(argv[1:])
+    if argv[:1] in (["issue-token"], ["revoke-token"]):
+        from coordinator.tokens import TOKEN_COMMANDS
+
+        return TOKEN_COMMANDS[argv[0]](argv[1:])
     args = parse_args(argv)
     from hivetrain import require_extra
 
@@ -275,6 +242,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.metrics_store import MetricsWriter, StoreError
     from hivemind.utils.crypto import RSAPrivateKey
 
+    from coordinator.tokens import authority_path, revoked_holders
     from hivetrain.access import OWN_GRANT_LIFETIME, RunAuthorizer, issue_grant, load_key
     from hivetrain.hivemind_internals import identity_key, sign_records_with
     from hivetrain.reachability import serve_dial_back
@@ -326,10 +294,13 @@ def _run(args: argparse.Namespace) -> int:
         sign_records_with(identity_key(str(identity)))
         authorizer = None
         if args.require_token:  # the coordinator holds a grant of its own, for its own key, renewed as it runs out
-            authority = load_key(authority_path(args.authority_key, config.run_id))
+            authority_file = authority_path(args.authority_key, config.run_id)
+            authority = load_key(authority_file)
             own_key = RSAPrivateKey.process_wide()  # its identity key (sign_records_with above)
             grant = issue_grant(authority, "coordinator", OWN_GRANT_LIFETIME, holder=own_key, with_key=False)
-            authorizer = RunAuthorizer(grant, holder=own_key, renew_with=authority)
+            # refuses what the owner revoked from its first request on; its main loop watches for more (_serve)
+            authorizer = RunAuthorizer(grant, holder=own_key, renew_with=authority,
+                                       revoked=revoked_holders(authority_file))
         dht = start_dht(DHTOptions(
             host_maddrs=[listen_maddr(args.host, args.port)], announce_maddrs=args.announce,
             identity_path=str(identity), authorizer=authorizer,
@@ -376,6 +347,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
 
     from coordinator.monitor import SwarmMonitor, Validator
     from coordinator.state import make_state_holder
+    from coordinator.tokens import RevocationWatch, authority_path
     from hivetrain.clock import EPOCHS_AHEAD, publish_clock
     from hivetrain.diloco import rounds_description
     from hivetrain.events import EventLog
@@ -404,7 +376,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     if args.require_token:
         run_option = f" --run-id {config.run_id}" if args.run_id else ""
         print(f"Private run: each volunteer adds --token TOKEN, printed by\n  python coordinator/start.py issue-token"
-              f" NAME --expires 7d{run_option}", flush=True)
+              f" NAME --expires 7d{run_option}\n(revoke-token NAME{run_option} takes one back)", flush=True)
     writer.set_run(RunInfo(run_id=config.run_id, preset=config.preset, fingerprint=config.fingerprint,
                            config_json=config.to_json(), join_command=command,
                            coordinator_peer_id=dht.peer_id.to_base58(), started=time.time()))
@@ -428,6 +400,9 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         with printing:
             print(line, flush=True)
 
+    # the owner's revoke-token, taken in while the run goes on (coordinator.tokens)
+    revocations = (RevocationWatch(dht, config.run_id, authority_path(args.authority_key, config.run_id), report=say)
+                   if args.require_token else None)
     validation = None
     rollbacks: list[RollbackRecord] = []  # the latest, refreshed with the run's configuration
 
@@ -460,6 +435,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                 for record in list(rollbacks):  # peers that were away, or joined since, still see the latest
                     publish_rollback(dht, record)
                 next_publish = now + RUN_RECORD_TTL / 3
+            if revocations is not None:
+                revocations.poll()
             if now >= next_refresh:
                 look_started = time.perf_counter()
                 snapshot = monitor.refresh()

@@ -6,19 +6,20 @@ the holder's key and checks the other side's grant against the authority named i
 hands of the key it names. So a grant seen in the traffic (every request carries one) is worthless to whoever saw it.
 
 A volunteer's token carries its grant and the holder's private key, made for it by issue-token: the token is still a
-secret (whoever holds it may join until it expires), but the swarm never sees it. The coordinator's own grant names
-its own key, lives a day and is renewed as it runs out.
+secret (whoever holds it may join until it expires, unless the run's owner revokes it: hivetrain.revocation), but
+the swarm never sees it. The coordinator's own grant names its own key, lives a day and is renewed as it runs out.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
@@ -33,6 +34,9 @@ TOKEN_ENV = "HIVETRAIN_TOKEN"
 LIFETIME_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 OWN_GRANT_LIFETIME = 86400  # seconds the coordinator's own grant lives; renewed RENEW_BEFORE ahead of its expiry
 RENEW_BEFORE = 3600
+# Bytes of a holder fingerprint: 96 bits, so no two of a run's holder keys share one by chance, and a full revocation
+# list (hivetrain.revocation.MAX_REVOKED of them) fits in one DHT record.
+FINGERPRINT_BYTES = 12
 
 
 def _payload(name: str, expires: int, holder: bytes) -> bytes:
@@ -86,6 +90,15 @@ class AccessGrant:
         return self.expires <= time.time()
 
 
+def holder_fingerprint(holder: bytes) -> bytes:
+    """What names a grant in a revocation: the start of the SHA-256 of the public key it names (its `holder`).
+
+    The holder key, not the name (names repeat, and any grant can carry any), nor the token (only its holder sees it):
+    issue-token makes a fresh key per token, so the key names exactly one grant, and every request in the swarm shows
+    it (AccessToken.public_key), so any peer can check it against the list without seeing the token."""
+    return hashlib.sha256(holder).digest()[:FINGERPRINT_BYTES]
+
+
 def parse_lifetime(text: str) -> int:
     """'7d', '12h', '30m', '3600s' or plain seconds -> seconds."""
     match = re.fullmatch(r"(\d+)([smhdw]?)", text.strip())
@@ -132,22 +145,33 @@ class RunAuthorizer(TokenAuthorizerBase):
     """hivemind's token protocol with our grants: this peer's access token carries its grant and the public key it
     names, and hivemind signs each request and answer with that key's private part (so only the holder can present
     the grant). A token counts when the authority of this peer's own grant signed it, for the key that presents it,
-    and it has not expired.
+    it has not expired, and the run's owner has not revoked it (its holder key's fingerprint is not in `revoked`).
+
+    hivemind runs the authorizer in the DHT's own process: a revocation list reaches it there
+    (hivetrain.revocation.apply_revocations), not through this process's copy.
 
     Args:
         grant: this peer's grant; a volunteer's carries its holder key, with which this peer signs.
         holder: the key the grant names, when the grant does not carry it (the coordinator's own key).
         renew_with: the authority key, for the coordinator: its own grant is renewed before it expires.
+        revoked: the holder fingerprints (holder_fingerprint) of the grants the run's owner revoked.
     """
 
     def __init__(self, grant: AccessGrant, holder: Optional[RSAPrivateKey] = None,
-                 renew_with: Optional[RSAPrivateKey] = None):
+                 renew_with: Optional[RSAPrivateKey] = None, revoked: Iterable[bytes] = ()):
         holder = holder or (rsa_key_from_der(grant.holder_key) if grant.holder_key else None)
         if holder is None or holder.get_public_key().to_bytes() != grant.holder:
             raise ValueError(f"the grant for {grant.name} names another key than the one given to present it")
         super().__init__(holder)
         self.grant, self.holder, self.renew_with = grant, holder, renew_with
         self.authority = RSAPublicKey.from_bytes(grant.authority)
+        self.revoked: frozenset[bytes] = frozenset()
+        self.set_revoked(revoked)
+
+    def set_revoked(self, fingerprints: Iterable[bytes]) -> None:
+        """Refuse from now on the grants whose holder fingerprints are `fingerprints` (the whole list: it replaces the
+        one before). Never this peer's own: hivemind asserts that its own token is valid whenever it renews it."""
+        self.revoked = frozenset(fingerprints) - {holder_fingerprint(self.grant.holder)}
 
     async def get_token(self) -> AccessToken:
         if self.renew_with is not None and self.grant.expires - time.time() < RENEW_BEFORE:
@@ -161,8 +185,9 @@ class RunAuthorizer(TokenAuthorizerBase):
             expires = int(access_token.expiration_time)
         except ValueError:
             return False
-        return expires > time.time() and self.authority.verify(
-            _payload(access_token.username, expires, access_token.public_key), access_token.signature)
+        return (expires > time.time() and holder_fingerprint(access_token.public_key) not in self.revoked
+                and self.authority.verify(_payload(access_token.username, expires, access_token.public_key),
+                                          access_token.signature))
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         # The coordinator renews its own grant; a volunteer's new grant comes from the coordinator, in a new token.

@@ -38,6 +38,7 @@ anyone may write for any peer ID. Those need signed, bound identities, not shape
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -47,11 +48,14 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 import hivemind
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from pydantic.v1 import BaseModel
 
@@ -130,6 +134,21 @@ def owner_subkey_problem(subkey: Any) -> Optional[tuple[str, str]]:
     if not SIGNED_SUBKEY_RE.fullmatch(subkey):
         return "malformed", "its subkey holds more than its owner key (one entry per key)"
     return None
+
+
+def signer_peer_id(subkey: bytes) -> Optional[str]:
+    """The libp2p peer ID (base58) of the RSA key a signed subkey names, or None when it names none. A peer ID is the
+    sha256 multihash of the key's libp2p protobuf form, so the peer whose address ends in that ID holds the key."""
+    match = SIGNED_SUBKEY_RE.fullmatch(subkey) if isinstance(subkey, bytes) else None
+    if match is None:
+        return None
+    try:
+        public_key = serialization.load_ssh_public_key(match.group(1))
+        der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    except (ValueError, TypeError):  # not an OpenSSH key, or not one DER can hold
+        return None
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()
 
 
 def _expiration_problem(expiration_time: float, now: float) -> Optional[str]:

@@ -6,31 +6,28 @@ libp2p identity key, so the peer ID in its address (the `/p2p/Qm...` part of eve
 one key a joiner believes: the join command is the pin, checked on the joiner's machine with no one's word for it.
 
 A joiner pins the peer IDs of the initial peers it was given (or the one it names with --coordinator), takes only run
-records signed by a pinned key, and obeys rollback records (hivetrain.rollback) from that key alone. A record's own
-fields carry no trust: its `time` only orders the records of a coordinator the joiner already believes.
+records signed by a pinned key, and obeys rollback records (hivetrain.rollback) and, in a private run, revocation
+lists (hivetrain.revocation) from that key alone. A record's own fields carry no trust: its `time` only orders the
+records of a coordinator the joiner already believes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import hivemind
-from cryptography.hazmat.primitives import serialization
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
-from hivemind.p2p import PeerID
-from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
 from hivetrain.config import RunConfig
-from hivetrain.hivemind_internals import SIGNED_SUBKEY_RE
 from hivetrain.clock import clock_rules
-from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys, warn_skipped
+from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys, signer_peer_id, warn_skipped
+from hivetrain.revocation import revocation_rules
 from hivetrain.rollback import rollback_rules
 from hivetrain.swarm import SwarmError, read_signed_records
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key
@@ -56,26 +53,12 @@ class _RunRecordSchema(BaseModel):
 @dataclass(frozen=True)
 class PinnedRun:
     """A run as a joiner fetched it: its configuration, the subkey its record was signed under (the coordinator's
-    public key, whose rollback records the joiner obeys) and the peer ID that key hashes to (None: not pinned)."""
+    public key, whose rollback records and revocation lists the joiner obeys) and the peer ID that key hashes to
+    (None: not pinned)."""
 
     config: RunConfig
     signer: bytes
     coordinator: Optional[str]
-
-
-def signer_peer_id(subkey: bytes) -> Optional[str]:
-    """The libp2p peer ID (base58) of the RSA key a signed subkey names, or None when it names none. A peer ID is the
-    sha256 multihash of the key's libp2p protobuf form, so the peer whose address ends in that ID holds the key."""
-    match = SIGNED_SUBKEY_RE.fullmatch(subkey) if isinstance(subkey, bytes) else None
-    if match is None:
-        return None
-    try:
-        public_key = serialization.load_ssh_public_key(match.group(1))
-        der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    except (ValueError, TypeError):  # not an OpenSSH key, or not one DER can hold
-        return None
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString()
-    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()
 
 
 def pinned_peer_ids(initial_peers: list[str], coordinator: Optional[str] = None) -> set[str]:
@@ -146,10 +129,11 @@ def fetch_run(dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: li
 
 def run_key_rules(run_id: str) -> list[KeyRule]:
     """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, the
-    coordinator's rollback record, and the state-sharing declarations and matchmaking key of each of its averagers."""
+    coordinator's rollback record, clock and revocation list, and the state-sharing declarations and matchmaking key
+    of each of its averagers."""
     rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
              KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id),
-             *clock_rules(run_id)]
+             *clock_rules(run_id), *revocation_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
     # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread
     # while this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two

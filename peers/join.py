@@ -204,6 +204,7 @@ def _train_as_other_rank(args: argparse.Namespace, rank_setup: str) -> int:
 def _join(args: argparse.Namespace) -> int:
     from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
+    from hivetrain.revocation import RevocationWatcher
     from hivetrain.run_record import fetch_run
     from hivetrain.swarm import (
         DHTOptions, StayConnected, SwarmError, listen_maddr, one_line_per_event, resolve_initial_peers, start_dht,
@@ -240,7 +241,7 @@ def _join(args: argparse.Namespace) -> int:
         use_auto_relay=args.auto_relay,
         authorizer=authorizer,
     )
-    dht = None
+    dht = revocations = None
     training_stack = threading.Thread(target=_import_training_stack, name="import-training-stack", daemon=True)
     try:
         dht = start_dht(network, while_connecting=training_stack.start)
@@ -248,6 +249,8 @@ def _join(args: argparse.Namespace) -> int:
         run = fetch_run(dht, args.run_id, initial_peers, timeout=args.config_timeout, coordinator=args.coordinator,
                         any_coordinator=args.any_coordinator)
         config = run.config
+        if authorizer is not None:  # a private run: this peer refuses, as the coordinator does, the revoked tokens
+            revocations = RevocationWatcher(dht, config.run_id, run.signer).start()
         if expected is not None:  # the run's name may differ; everything that shapes training may not
             expected = expected.replace(run_id=config.run_id)
         if expected is not None and expected.fingerprint != config.fingerprint:
@@ -267,6 +270,8 @@ def _join(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        if revocations is not None:
+            revocations.stop()
         if dht is not None:
             dht.shutdown()
 
