@@ -17,8 +17,8 @@ grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/s
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
 its Markdown, in a module of its own (benchmarks.join, .throughput, .links, .communication, .convergence, .churn,
-.monitor, .relay, .defences for attacks, .scale) on top of benchmarks.harness and benchmarks.report, registered in
-SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it gets also names the
+.monitor, .relay, .defences for attacks, .scale with .scale_fit and .scale_page) on top of benchmarks.harness and
+benchmarks.report, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it gets also names the
 command that measured it and the record's path.
 """
 
@@ -45,7 +45,8 @@ from benchmarks.join import join_section, join_suite
 from benchmarks.links import links_section, links_suite
 from benchmarks.monitor import monitor_section, monitor_suite
 from benchmarks.relay import relay_section, relay_suite
-from benchmarks.scale import scale_page, scale_suite
+from benchmarks.scale import scale_suite
+from benchmarks.scale_page import scale_page
 from benchmarks.throughput import throughput_section, throughput_suite
 
 PAGE = ROOT / "logbook" / "benchmarks.md"

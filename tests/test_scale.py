@@ -1,7 +1,9 @@
-"""The scale suite (benchmarks/scale.py, run by benchmarks.bench) at its smallest: one swarm of two peers, its costs
-and one joiner, and the page fitted and extrapolated from that record."""
+"""The scale suite (benchmarks/scale.py measures, benchmarks/scale_fit.py fits, benchmarks/scale_page.py writes
+the page; run by benchmarks.bench) at its smallest: one swarm of two peers, its costs and one joiner, and the page
+fitted and extrapolated from that record; and the committed page, rendered again from its record."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -9,7 +11,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from benchmarks import scale
+from benchmarks import bench, scale_fit
 
 
 def test_scale_smoke():
@@ -35,11 +37,22 @@ def test_scale_smoke():
 
 
 def test_fit_and_crossing():
-    assert scale.fit([(1, 1.0), (3, 5.0)]) == pytest.approx((-1.0, 2.0))
-    assert scale.crossing(-1.0, 2.0, 9.0) == pytest.approx(5.0)
-    assert scale.crossing(1.0, 0.0, 9.0) is None  # a cost that does not grow never reaches a limit
-    assert scale.crossing(10.0, 1.0, 9.0) == 0.0
+    assert scale_fit.fit([(1, 1.0), (3, 5.0)]) == pytest.approx((-1.0, 2.0))
+    assert scale_fit.crossing(-1.0, 2.0, 9.0) == pytest.approx(5.0)
+    assert scale_fit.crossing(1.0, 0.0, 9.0) is None  # a cost that does not grow never reaches a limit
+    assert scale_fit.crossing(10.0, 1.0, 9.0) == 0.0
 
+
+def test_the_committed_page_renders_again_from_its_record():
+    """logbook/scale.md is exactly what benchmarks.scale_page writes from the record it names: a change to the page's
+    code that changes its text is seen here, and the page then rebuilt (python -m benchmarks.bench scale --page)."""
+    page = (ROOT / "logbook" / "scale.md").read_text()
+    record_path = ROOT / re.search(r"from the record `([^`]+)`", page).group(1)
+    assert bench.render("scale", json.loads(record_path.read_text()), record_path, ROOT / "logbook") == page
+    assert [line for line in page.splitlines() if line.startswith("#")] == [
+        "# Scale: what each peer costs, and joiner storms", "## Measured: swarms of training peers",
+        "## Measured: the coordinator's look with lightweight publishers", "## Measured: a joiner storm", "## Fits",
+        "## Extrapolated to 100, 1,000 and 10,000 peers", "## Each limit, where it comes, and what lifts it"]
 
 def test_a_state_holder_counts_the_downloads_it_answers():
     """The counter behind the storm's figures: a download from the coordinator's holder counts one there."""
