@@ -18,8 +18,8 @@ grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/s
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
 its Markdown, in a module of its own (benchmarks.join, .throughput, .links, .communication, .convergence, .churn,
 .monitor, .relay, .defences for attacks, .scale with .scale_fit and .scale_page) on top of benchmarks.harness and
-benchmarks.report, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The environment it gets also names the
-command that measured it and the record's path.
+benchmarks.report, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The
+environment it gets also names the command that measured it and the record's path.
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.gpu_plots import plot_speed, plot_utilisation
 from benchmarks.gpu_swarm import OWN_REFERENCE_RUN
 from hivetrain.formatting import fmt_bytes, fmt_percent, fmt_seconds
 
@@ -56,12 +58,13 @@ def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
         f"**Model:** timm `{record['model']['name']}`, random init, {record['model']['num_classes']} classes,"
         f" at {record['model']['img_size']} px, with the `{record['model']['optimizer_preset']}` preset's AdamW;"
         " plain PyTorch training steps (autocast for mixed precision, a gradient scaler for 16-mixed), no"
-        " torch.compile.",
+        " torch.compile" + (" but in the compiled run at the swarm's batch." if "compiled" in record else "."),
         "",
     ]
     lines += _batch_section(record)
     lines += _speed_section(record, out_dir)
     lines += _reference_section(record, artifacts, link)
+    lines += _control_section(record, artifacts, link)
     lines += _swarm_section(record, artifacts, link)
     lines += _recording_section(record, out_dir, artifacts, link)
     record_file = records_dir / f"{record['name']}.json"
@@ -75,7 +78,7 @@ def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
 
 def _failure(error: str) -> str:
     """A step's error as the page shows it: a step skipped or never reached says so; anything else failed."""
-    return error if error.startswith(("skipped", "not ")) else f"failed: {error}"
+    return error if error.startswith(("skipped", "not ", "failed")) else f"failed: {error}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -200,7 +203,83 @@ def _reference_section(record: dict, artifacts: Path, link) -> list[str]:
             f" ({ceiling['matmul_size']}³ product); {ceiling['train_flops_per_image'] / 1e9:,.1f} GFLOP per training"
             f" image (3 × the forward's, counted by torch)."
             f" Log: [{ceiling['log']}]({link(artifacts / ceiling['log'])}).")
+    if "compiled" in record:
+        lines.append(_compiled_line(record["compiled"], artifacts, link))
     return lines + [""]
+
+
+def _compiled_line(compiled: Optional[dict], artifacts: Path, link) -> str:
+    """The single process with torch.compile against the eager one, as a line of the reference's list."""
+    what = "With torch.compile (`benchmarks.gpu_speed --compile`, default mode, no validation pass)"
+    if compiled is None:
+        return f"- {what}: not reached: the proof stopped before it."
+    log = f" Log: [{compiled['log']}]({link(artifacts / compiled['log'])})." if compiled.get("log") else ""
+    if compiled.get("error"):
+        return f"- {what}: {_failure(compiled['error'])}.{log}"
+    ratio = compiled["ratio_to_eager"]
+    against = ("no ratio: the eager process was not measured at this batch" if ratio is None else
+               f"**{ratio:.3f}×** the eager process's {compiled['eager_samples_per_s']:,.0f}, target ≥"
+               f" {compiled['ratio_target']:g}: {_met(compiled['ratio_target_met'])}")
+    return (f"- {what}: **{compiled['train_samples_per_s']:,.0f} training samples/s** at batch"
+            f" {compiled['batch_size']} ({compiled['steps']} steps in {compiled['train_seconds']:.1f} s), {against}."
+            f" Compilation happens in the first of {compiled['warmup_steps']} untimed warm-up steps, which took"
+            f" {compiled['first_step_seconds']:.1f} s ({compiled['warmup_seconds']:.1f} s in all).{log}")
+
+
+def _utc(seconds: float) -> str:
+    """A time.time() value as the page shows a wall-clock time: UTC to the millisecond."""
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _control_section(record: dict, artifacts: Path, link) -> list[str]:
+    """Two plain processes sharing the GPU, the swarm's control (records from before it have no `control`: nothing is
+    shown)."""
+    if "control" not in record:
+        return []
+    control = record["control"]
+    lines = ["## Two plain processes sharing the GPU (the swarm's control)", ""]
+    if control is None:
+        return lines + ["Not reached: the proof stopped before it.", ""]
+    logs = _logs_lines([control], artifacts, link)
+    if control.get("error"):
+        return lines + [f"Not measured: {_failure(control['error'])}.", "", *logs]
+    ratio = control["ratio_to_single"]
+    rows = [[str(n), str(run["seed"]), f"{run['train_samples_per_s']:,.0f}",
+             f"{_utc(run['window_start_time'])}–{_utc(run['window_end_time'])}",
+             f"{run['steps']} in {run['train_seconds']:.1f} s", f"{run['ready_wait_seconds']:.1f} s"
+             + (" (gave up waiting: timed alone)" if run["ready_timed_out"] else ""),
+             fmt_bytes(max(run["peak_memory_bytes"]))] for n, run in enumerate(control["runs"])]
+    rows.append(["both", "", f"**{control['samples_per_s']:,.0f}**",
+                 f"overlap {control['overlap_s']:.2f} s ({100 * control['overlap_share']:.0f}% of the longer)", "",
+                 "", ""])
+    lines += [
+        f"Two plain `python -m benchmarks.gpu_speed` processes at batch {control['batch_size']} in"
+        f" `{control['precision']}` on the same GPU at once, with no swarm: **{control['samples_per_s']:,.0f} training"
+        " samples/s together, "
+        + (f"{ratio:.3f} of one process's** ({control['single_samples_per_s']:,.0f} samples/s, above)." if ratio
+           is not None else "** (no ratio: the single process was not measured).")
+        + " The swarm's two peers share the GPU in the same way: what these two lose against one process is the cost"
+        " of two processes time-slicing one GPU, and the swarm's *of two plain processes'* below is what the swarm"
+        " costs on top of it.",
+        "",
+    ]
+    if not control["overlapped"]:
+        lines += [f"> **Their timed windows did not overlap enough** ({100 * control['overlap_share']:.0f}% of the"
+                  f" longer, under {100 * control['overlap_min_share']:.0f}%): part of each window ran without the"
+                  " other, so the sum is not that of two processes sharing the GPU.", ""]
+    util, warmup_steps = control["gpu_util_percent"], control["runs"][0]["warmup_steps"]
+    lines += [
+        *_table(["process", "seed", "train samples/s", "timed window (UTC)", "timed steps", "waited for the other",
+                 "peak GPU memory"], rows),
+        "",
+        f"Each process took {warmup_steps} untimed warm-up step{'' if warmup_steps == 1 else 's'}, then waited until"
+        " both were ready (`--ready-dir`), and both started timing at the same wall-clock moment, for at least"
+        f" {control['seconds']:g} s each (whole steps), with no validation pass. GPU utilisation (NVML) over the"
+        " windows' overlap: " + ("–" if util is None else fmt_percent(util) + (
+            "" if control["gpu_util_over"] == "window" else " (no sample inside it: over the whole run)")) + ".",
+        "",
+    ]
+    return lines + logs
 
 
 def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
@@ -213,10 +292,11 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     rows = []
     for run in swarm["variants"]:
         if run.get("error"):
-            rows.append([run["variant"], *["–"] * 9, _failure(run["error"])])
+            rows.append([run["variant"], *["–"] * 10, _failure(run["error"])])
             continue
-        ratio = run["ratio_to_single"]
+        ratio, to_control = run["ratio_to_single"], run.get("ratio_to_control")  # older records: no control
         rows.append([run["variant"], f"{run['samples_per_s']:,.0f}", "–" if ratio is None else f"{ratio:.3f}",
+                     "–" if to_control is None else f"{to_control:.3f}",
                      _met(run["ratio_target_met"]), _met(run["ratio_stretch_met"]),
                      "–" if run["gpu_util_percent"] is None else fmt_percent(run["gpu_util_percent"]),
                      _shares(run["swarm_time_share"]), _shares(run["wait_share"]), _percent(run["mfu"]),
@@ -225,8 +305,12 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     single = (record.get("reference") or {}).get("single") or {}
     single_rate = (f"{single['train_samples_per_s']:,.0f} samples/s, above" if single.get("train_samples_per_s")
                    else "not measured: no ratio")
+    control = record.get("control") or {}
+    control_rate = (f"{control['samples_per_s']:,.0f} samples/s, above" if control.get("samples_per_s")
+                    else "not measured: no ratio")
     lines += [
-        *_table(["variant", "samples/s (both peers)", "of one process's", f"≥ {swarm['ratio_target']:g}",
+        *_table(["variant", "samples/s (both peers)", "of one process's", "of two plain processes'",
+                 f"≥ {swarm['ratio_target']:g}",
                  f"≥ {swarm['ratio_stretch']:g}", "GPU utilisation", "time in swarm rounds (per peer)",
                  "waiting for overlapped rounds (per peer)", "MFU", "window, rounds", "note"], rows),
         "",
@@ -239,7 +323,8 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
         "Samples/s adds both peers' rates, read from their epoch events (`--events`, one per round) while both"
         f" trained; *of one process's* divides it by the single process's at the same batch"
         f" ({single_rate}), against the target"
-        f" {swarm['ratio_target']:g} and the stretch {swarm['ratio_stretch']:g}. GPU utilisation is NVML's mean over"
+        f" {swarm['ratio_target']:g} and the stretch {swarm['ratio_stretch']:g}; *of two plain processes'* divides it"
+        f" by the control's, two plain processes sharing the GPU ({control_rate}). GPU utilisation is NVML's mean over"
         " the samples taken while both peers trained (the window). Each peer's shares of its training time come from"
         " its leaving event: stood still for swarm rounds and state downloads (`swarm_seconds`), and waiting for an"
         " overlapped round to finish (`wait_seconds`). MFU: samples/s × the ceiling's training FLOPs per image over"
@@ -291,8 +376,12 @@ def _runs(record: dict) -> list[tuple[str, dict]]:
         runs.append((f"speed `{reference['precision']}` at the swarm's batch", reference["single"].get("recording")))
     if reference.get("ceiling"):
         runs.append((f"ceiling `{reference['precision']}`", reference["ceiling"].get("recording")))
+    if record.get("control"):
+        runs.append(("two plain processes (control)", record["control"].get("recording")))
     for run in record["swarm"].get("variants", record["swarm"].get("modes", [])):
         runs.append((f"swarm {run.get('variant') or run['mode']}", run.get("recording")))
+    if record.get("compiled"):
+        runs.append((f"speed `{reference.get('precision', '')}` compiled", record["compiled"].get("recording")))
     return [(label, recording) for label, recording in runs if recording]
 
 
@@ -325,78 +414,9 @@ def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> li
     if record.get("start_dumps"):
         lines += ["Before the first run: " + ", ".join(f"[{name}]({link(artifacts / name)})"
                                                        for name in record["start_dumps"]) + ".", ""]
-    if plot_utilisation(record, out_dir / UTILISATION_PLOT):
+    if plot_utilisation(_runs(record), out_dir / UTILISATION_PLOT):
         lines += [f"![GPU utilisation and memory in use over the whole proof]({UTILISATION_PLOT})", ""]
     return lines
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_speed(record: dict, path: Path) -> bool:
-    """Training samples/s and peak memory per precision, single GPU and DDP side by side; False when nothing ran."""
-    measured = [(e["precision"], run) for e in record["precisions"] for run in (e["single"], e.get("ddp"))
-                if run is not None and not run.get("error")]
-    if not measured:
-        return False
-    plt = _pyplot()
-    fig, (speed_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"{precision}\n{run['strategy']} ×{run['devices']}\nbatch {run['batch_size']}"
-              for precision, run in measured]
-    speed_ax.bar(labels, [run["train_samples_per_s"] for _, run in measured], color="tab:blue")
-    speed_ax.set_ylabel("training samples/s")
-    speed_ax.set_title("Training speed")
-    memory_ax.bar(labels, [max(run["peak_memory_bytes"]) / 2**30 for _, run in measured], color="tab:orange")
-    total = measured[0][1]["total_memory_bytes"]
-    if total:
-        memory_ax.axhline(total / 2**30, color="black", linestyle="--", linewidth=1, label="GPU memory")
-        memory_ax.legend(loc="lower right")
-    memory_ax.set_ylabel("peak allocated (GiB)")
-    memory_ax.set_title("Peak GPU memory (max over ranks)")
-    fig.suptitle(f"ViT-B/32 at 224 px, {record['data']['origin']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def plot_utilisation(record: dict, path: Path) -> bool:
-    """NVML utilisation and memory in use of each GPU over the whole proof, each run's span shaded and named."""
-    runs = _runs(record)
-    samples = [s for _, r in runs for s in r["nvml_series"]]
-    if not samples:
-        return False
-    plt = _pyplot()
-    fig, (util_ax, memory_ax) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for n, gpu in enumerate(sorted({s["gpu"] for s in samples})):
-        for i, (_, recording) in enumerate(runs):  # one line per run: nothing was sampled between runs
-            mine = sorted((s for s in recording["nvml_series"] if s["gpu"] == gpu), key=lambda s: s["time_s"])
-            times = [s["time_s"] for s in mine]
-            style = dict(linewidth=1, color=colours[n % len(colours)], label=f"GPU {gpu}" if i == 0 else None)
-            util_ax.plot(times, [s["util_percent"] for s in mine], **style)
-            memory_ax.plot(times, [s["memory_used_bytes"] / 2**30 for s in mine], **style)
-    for i, (label, recording) in enumerate(runs):
-        start, end = recording["started_s"], recording["started_s"] + recording["seconds"]
-        for ax in (util_ax, memory_ax):
-            ax.axvspan(start, end, color="0.9" if i % 2 else "0.8", zorder=0)
-        util_ax.text((start + end) / 2, 103, label.replace("`", ""), ha="center", va="bottom", fontsize=6,
-                     rotation=30)
-    util_ax.set_ylim(0, 100)
-    util_ax.set_ylabel("GPU utilisation (%)")
-    memory_ax.set_ylabel("memory in use (GiB)")
-    memory_ax.set_xlabel("seconds since the proof started")
-    util_ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def main(argv: Optional[list[str]] = None) -> int:

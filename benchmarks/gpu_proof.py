@@ -3,10 +3,11 @@
     python -m benchmarks.gpu_proof          # or: make gpu-proof
     python -m benchmarks.gpu_proof --train-samples 10000 --val-samples 2000 --precisions bf16-mixed --no-swarm
 
-    python -m benchmarks.gpu_proof --precisions bf16-mixed --no-search --speed-seconds 6 --swarm-minutes 1.25
+    python -m benchmarks.gpu_proof --precisions bf16-mixed --no-search --speed-seconds 6 --swarm-minutes 1.0 \
+        --swarm-inner-steps 60 --budget-minutes 7.5
 
-On synthetic data shaped like CIFAR-10 (hivetrain/synthetic_data.py); the defaults aim at a few minutes per step
-and under 9 minutes in all on one H100 (the short form above, about 7):
+On synthetic data shaped like CIFAR-10 (hivetrain/synthetic_data.py); the defaults aim at a few minutes per step, and
+no step starts after --budget-minutes (9); the short form above takes about 7 minutes on one H100:
 
 1. the largest batch per precision (32, bf16-mixed, 16-mixed), found against the GPU's real memory by the project's
    batch finder (baselines/batch_finder.py); with --no-search, none: every precision runs at --swarm-batch;
@@ -15,9 +16,16 @@ and under 9 minutes in all on one H100 (the short form above, about 7):
 3. the reference at the swarm's batch (--swarm-batch, bf16-mixed): one process with the project's loader
    (benchmarks/gpu_speed.py) and the pure-compute ceiling with the card's measured bf16 matrix rate
    (benchmarks/gpu_ceiling.py);
-4. a 2-peer swarm of the synthetic-vit-b32 preset sharing the GPU, each peer at --swarm-batch, in diloco mode with
-   rounds overlapped and blocking (benchmarks/gpu_swarm.py): its samples/s against the reference's, GPU utilisation,
-   each peer's time in rounds and waits, and MFU.
+4. the control (benchmarks/gpu_control.py; --no-control skips it): two plain processes (benchmarks/gpu_speed.py) at
+   the swarm's batch and precision on the same GPU at once, their timed windows started together, with no swarm:
+   what two processes time-slicing one GPU cost, their windows' wall-clock times showing that they overlapped;
+5. a 2-peer swarm of the synthetic-vit-b32 preset sharing the GPU, each peer at --swarm-batch, in the variants of
+   --swarm-variants (diloco with rounds overlapped, blocking, and paced in seconds; benchmarks/gpu_swarm.py): its
+   samples/s against the reference's and the control's, GPU utilisation, each peer's time in rounds and waits, MFU;
+6. the single process compiled (benchmarks/gpu_speed.py --compile; --no-compile-run skips it) at the swarm's batch and
+   precision, compilation in its untimed warm-up: its samples/s against the eager reference's (target 1.2 times). It
+   runs last, so that a compilation that takes long cannot take the swarm's time; where torch.compile cannot run,
+   the page says why in one line.
 
 Every run is recorded: an NVML series of each GPU's utilisation and memory every second, nvidia-smi's CSV log, and
 raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION` text. The JSON record and those files go to
@@ -31,7 +39,6 @@ the wheels of scripts/prepare-gpu-wheelhouse.sh in .whl/; when hivemind is missi
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -44,10 +51,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET
-from benchmarks.gpu_swarm import (OWN_REFERENCE_RUN, RATIO_STRETCH, RATIO_TARGET, SWARM_PRECISION, SWARM_PRESET,
-                                  SWARM_PRESET_NOTE, SWARM_VARIANTS, coordinator_args, measure_ceiling,
-                                  measure_swarm_variants, peer_args)
+from benchmarks.gpu_control import (COMPILE_OVERRUN_S, COMPILE_TIMEOUT_S, COMPILE_WARMUP_STEPS, STOPPED_WHILE_RUNNING,
+                                    compile_figures, run_control)
+from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET, why_it_failed
+from benchmarks.gpu_swarm import (OWN_REFERENCE_RUN, SWARM_PRECISION, SWARM_VARIANTS, ensure_hivemind,
+                                  measure_ceiling, measure_swarm_variants, new_swarm_record, prepend_pythonpath)
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA_LINE = "No CUDA GPU here: the GPU proof needs one; nothing was run."
@@ -63,8 +71,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     " machine's CUDA GPUs, on synthetic data shaped like CIFAR-10: the largest batch per precision"
                     " (the project's batch finder), samples/s and peak GPU memory at it on one GPU and with DDP on"
                     " all GPUs (when 2 or more), the single process and the pure-compute ceiling at the swarm's"
-                    " batch, and a 2-peer swarm sharing the GPU (diloco, rounds overlapped and blocking) held"
-                    " against them; record nvidia-smi and NVML"
+                    " batch, two plain processes sharing the GPU (the control), a 2-peer swarm sharing the GPU"
+                    " (diloco, rounds overlapped and blocking) held against them, and the single process with"
+                    " torch.compile against the eager one; record nvidia-smi and NVML"
                     " while each run lasts; write logbook/gpu.md and a JSON record under logbook/gpu-records/."
                     " Without a CUDA GPU it prints one line and exits 0.",
         epilog="On a machine without network the swarm's hivemind comes from .whl/ (scripts/prepare-gpu-wheelhouse.sh"
@@ -97,6 +106,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     runs.add_argument("--swarm-inner-steps", type=int, default=100,
                       help="the swarm's diloco inner steps per round (the coordinator's --inner-steps)")
     runs.add_argument("--no-swarm", action="store_true", help="skip the 2-peer swarm")
+    runs.add_argument("--swarm-variants", nargs="+", choices=list(SWARM_VARIANTS), default=list(SWARM_VARIANTS),
+                      metavar="NAME", help="the swarm variants to run, in this order, of: " + ", ".join(
+                          f"{name} (coordinator {' '.join(options)})" for name, options in SWARM_VARIANTS.items()))
+    runs.add_argument("--no-control", action="store_true",
+                      help="skip the control: two plain processes (benchmarks.gpu_speed) sharing the GPU at the"
+                           " swarm's batch, timed together for --speed-seconds, the swarm's table held against them")
+    runs.add_argument("--no-compile-run", action="store_true",
+                      help="skip the single process with torch.compile (benchmarks.gpu_speed --compile) at the swarm's"
+                           " batch, held against the eager one (target 1.2 times); it runs last, compilation untimed")
     runs.add_argument("--budget-minutes", type=float, default=9.0,
                       help="start no step after this many minutes; the steps left are recorded as skipped (the"
                            " record and page are written after every step, so a proof cut off keeps what it did)")
@@ -127,6 +145,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--speed-seconds, --swarm-minutes and --budget-minutes must be more than 0")
     if len(set(args.precisions)) != len(args.precisions):
         parser.error("--precisions lists a precision twice")
+    if len(set(args.swarm_variants)) != len(args.swarm_variants):
+        parser.error("--swarm-variants lists a variant twice")
     return args
 
 
@@ -174,6 +194,10 @@ class Clock:
             return None
         return f"skipped: the proof's {self.budget_minutes:g}-minute budget (--budget-minutes) was spent before it"
 
+    def left_s(self) -> float:
+        """Seconds of the budget left (0 when it is spent)."""
+        return max(0.0, self.budget_minutes * 60 - (time.monotonic() - self.zero))
+
 
 def run_proof(args: argparse.Namespace, command: str) -> int:
     import torch
@@ -189,7 +213,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     artifacts = args.records / name
     artifacts.mkdir(parents=True, exist_ok=True)
     # Roles and workers are started as scripts and modules of this checkout, which need not be pip-installed.
-    _prepend_pythonpath(ROOT)
+    prepend_pythonpath(ROOT)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # random init everywhere: nothing to fetch from the hub
     swarm_skipped = "--no-swarm was given" if args.no_swarm else ensure_hivemind(args.wheelhouse, args.site,
                                                                                  clock.say)
@@ -208,7 +232,9 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                       search_tolerance=args.search_tolerance,
                       warmup_steps=args.warmup_steps, speed_seconds=args.speed_seconds,
                       swarm_minutes=args.swarm_minutes, swarm_batch=args.swarm_batch,
-                      swarm_inner_steps=args.swarm_inner_steps, budget_minutes=args.budget_minutes),
+                      swarm_inner_steps=args.swarm_inner_steps, swarm_variants=args.swarm_variants,
+                      control=not args.no_control, compile_run=not args.no_compile_run,
+                      budget_minutes=args.budget_minutes),
         start_dumps=write_nvidia_smi_dumps(artifacts, "start"), precisions=[],
         ddp_note=(f"DDP ran on all {gpu_count} GPUs (one process each, NCCL) at each precision's single-GPU batch"
                   " per GPU." if gpu_count >= 2 else
@@ -216,7 +242,9 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                   " or more."),
         reference=dict(batch_size=args.swarm_batch, precision=SWARM_PRECISION, single=None, single_from=None,
                        ceiling=None),
-        swarm=new_swarm_record(args, swarm_skipped),
+        control=None, compiled=None,  # None: not reached
+        swarm=new_swarm_record(args.swarm_variants, args.swarm_minutes, args.swarm_batch, args.swarm_inner_steps,
+                               swarm_skipped),
         finished=False, wall_time_s=0.0,
     )
     record_path = args.records / f"{name}.json"
@@ -267,37 +295,25 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                 save()
 
         measure_reference(record, args, artifacts, clock, save)
+        run_control(record, args, artifacts, clock)
+        save()
         if swarm_skipped is None:
             record["swarm"]["skipped"] = None
             reference = record["reference"]
-            for variant in SWARM_VARIANTS:
+            for variant in args.swarm_variants:
                 record["swarm"]["variants"] += measure_swarm_variants(
                     [variant], args.swarm_minutes, args.swarm_batch, args.swarm_inner_steps, artifacts, clock,
-                    single=reference["single"], ceiling=reference["ceiling"])
+                    single=reference["single"], ceiling=reference["ceiling"], control=record["control"])
                 save()
         else:
             clock.say(f"swarm: not run: {swarm_skipped}")
+        measure_compiled(record, args, artifacts, clock)
     except ProofStopped as e:  # in a batch search, speed or ceiling run; a swarm records it as that variant's error
         clock.say(str(e))
     record["finished"] = not clock.stopped
     page = save()
     clock.say(f"wrote {page}, {record_path} and the raw files in {artifacts}/")
     return 143 if clock.stopped else 0
-
-
-def new_swarm_record(args: argparse.Namespace, skipped: Optional[str]) -> dict:
-    """The record's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.harness
-    starts them, less their --identity, --log-dir and --name in a scratch folder) and the ratio it aims at."""
-    coordinator_commands = {variant: shlex.join([
-        "python", "coordinator/start.py", "--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0",
-        "--validate-every", "0", *coordinator_args(variant, args.swarm_inner_steps)]) for variant in SWARM_VARIANTS}
-    peer_command = shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS", "--min-peers",
-                               "2", "--seed", "PEER_INDEX", "--progress-bar", "off",
-                               *peer_args(args.swarm_minutes, args.swarm_batch)])
-    return dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, batch_size=args.swarm_batch,
-                precision=SWARM_PRECISION, inner_steps=args.swarm_inner_steps, ratio_target=RATIO_TARGET,
-                ratio_stretch=RATIO_STRETCH, coordinator_commands=coordinator_commands, peer_command=peer_command,
-                variants=[], skipped=skipped or "not reached: the proof stopped before the swarm")
 
 
 def describe_environment(commit: Optional[str]) -> dict:
@@ -339,36 +355,6 @@ def git_commit() -> str:
     return head.stdout.strip() + (" with uncommitted changes" if changed.stdout.strip() else "")
 
 
-def _prepend_pythonpath(path: Path) -> None:
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(path) not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *parts])
-
-
-def ensure_hivemind(wheelhouse: Path, site: Path, say=print) -> Optional[str]:
-    """None when hivemind can be imported, after installing it from `wheelhouse` into `site` (on PYTHONPATH) if it
-    was missing; otherwise why the swarm cannot run."""
-    if importlib.util.find_spec("hivemind") is None and not (site / "hivemind").is_dir():
-        wheels = sorted(wheelhouse.glob("*.whl"))
-        if not wheels:
-            return (f"hivemind is not installed and {wheelhouse} holds no wheels: run scripts/prepare-gpu-wheelhouse.sh"
-                    " where there is network and bring .whl/ along")
-        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                   "--target", str(site), *map(str, wheels)]
-        say(f"installing hivemind and its dependencies from {wheelhouse} ({len(wheels)} wheels) into {site}")
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-            return f"installing the wheels of {wheelhouse} failed: {tail}"
-    if importlib.util.find_spec("hivemind") is None:
-        sys.path.insert(0, str(site))
-        _prepend_pythonpath(site)
-        importlib.invalidate_caches()
-        if importlib.util.find_spec("hivemind") is None:
-            return f"hivemind is neither installed nor in {site}"
-    return None
-
-
 def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts: Path, clock: Clock) -> dict:
     """The batch finder's search on the GPU for `precision`, on generated data (no dataset loaded)."""
     from hivetrain.batch_size import BatchSearchError, TrialSpec, find_batch_size
@@ -393,14 +379,17 @@ def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts
 
 
 def measure_speed(precision: str, batch: int, devices: int, args: argparse.Namespace, artifacts: Path,
-                  clock: Clock, label: Optional[str] = None) -> dict:
+                  clock: Clock, label: Optional[str] = None, options: tuple[str, ...] = (),
+                  timeout: float = SPEED_TIMEOUT_S) -> dict:
     """benchmarks.gpu_speed at `batch` per GPU on `devices` GPUs; 1/8 smaller after an out-of-memory, up to
     OOM_RETRIES times (the search's trial holds a little less than a training loop does). `label` names its log
-    and recording files (default: speed-PRECISION-STRATEGY)."""
+    and recording files (default: speed-PRECISION-STRATEGY); `options` go to gpu_speed after the proof's own (the
+    last of an option given twice counts); `timeout` is each attempt's limit in seconds."""
     from benchmarks.gpu_monitor import RunMonitor
     from hivetrain.formatting import fmt_bytes
 
     strategy = "single" if devices == 1 else "ddp"
+    shown = f"speed, {precision} {strategy} x{devices}" + (f" ({label})" if label else "")  # its progress lines
     label = label or f"speed-{precision}-{strategy}{devices if devices > 1 else ''}"
     attempts: list[dict] = []
     result: dict = dict(strategy=strategy, devices=devices)
@@ -411,14 +400,13 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
                        str(batch), "--devices", str(devices), "--train-samples", str(args.train_samples),
                        "--val-samples", str(args.val_samples), "--seed", str(args.seed), "--warmup-steps",
                        str(args.warmup_steps), "--seconds", str(args.speed_seconds), "--dump-dir", str(artifacts),
-                       "--dump-label", label]
+                       "--dump-label", label, *options]
             out.write(f"$ {shlex.join(command)}\n")
             out.flush()
             try:
-                done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                      timeout=SPEED_TIMEOUT_S)
+                done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
             except subprocess.TimeoutExpired:
-                result["error"] = f"failed: did not finish within {SPEED_TIMEOUT_S} s (see {log.name})"
+                result["error"] = f"failed: did not finish within {timeout:g} s (see {log.name})"
                 break
             if done.returncode == OOM_EXIT:
                 attempts.append(dict(batch_size=batch, out_of_memory=True))
@@ -427,10 +415,10 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
                 if batch < 1:
                     break
                 continue
-            if done.returncode != 0:
-                result["error"] = f"failed: exit code {done.returncode} (see {log.name})"
-                break
             out.flush()
+            if done.returncode != 0:
+                result["error"] = f"failed: {why_it_failed(log.read_text(), done.returncode)} (see {log.name})"
+                break
             last = log.read_text().strip().splitlines()[-1]
             result = dict(json.loads(last), strategy=strategy)
             attempts.append(dict(batch_size=batch, out_of_memory=False))
@@ -442,10 +430,10 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
     result["log"] = log.name
     result["recording"] = dict(monitor.recording, nvidia_smi_dumps=result.get("nvidia_smi_dumps", []))
     if "error" in result:
-        clock.say(f"speed, {precision} {strategy} x{devices}: {result['error']}")
+        clock.say(f"{shown}: {result['error']}")
     else:
         peaks = [p for p in result["peak_memory_bytes"] if p is not None]  # None: a rank on a CPU
-        clock.say(f"speed, {precision} {strategy} x{devices}: batch {result['batch_size']}, "
+        clock.say(f"{shown}: batch {result['batch_size']}, "
                   f"{result['train_samples_per_s']:,.0f} training samples/s, "
                   f"{result['val_samples_per_s'] or 0:,.0f} validation samples/s, peak GPU memory "
                   f"{fmt_bytes(max(peaks, default=None))}")
@@ -472,6 +460,33 @@ def measure_reference(record: dict, args: argparse.Namespace, artifacts: Path, c
     else:
         reference["ceiling"] = measure_ceiling(args.swarm_batch, args.speed_seconds, artifacts, clock)
     save()
+
+
+def measure_compiled(record: dict, args: argparse.Namespace, artifacts: Path, clock: Clock) -> None:
+    """The single process with torch.compile (gpu_speed --compile) at the swarm's batch and precision, compilation in
+    its untimed warm-up and no validation pass, held against the reference's eager single process, into
+    record["compiled"]; skipped by --no-compile-run or a spent budget, and stopped COMPILE_OVERRUN_S after the
+    budget ends (a compilation can take minutes: the proof's total stays within the budget and a little)."""
+    if args.no_compile_run:
+        record["compiled"] = dict(error="skipped: --no-compile-run was given")
+    elif skipped := clock.spent():
+        record["compiled"] = dict(error=skipped)
+    else:
+        record["compiled"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first
+        warmup = max(args.warmup_steps, COMPILE_WARMUP_STEPS)
+        clock.say(f"compiled, {SWARM_PRECISION}: one process with torch.compile at batch {args.swarm_batch};"
+                  f" compilation in its {warmup} untimed warm-up steps")
+        compiled = measure_speed(SWARM_PRECISION, args.swarm_batch, 1, args, artifacts, clock,
+                                 label=f"compiled-{SWARM_PRECISION}",
+                                 timeout=min(COMPILE_TIMEOUT_S, clock.left_s() + COMPILE_OVERRUN_S),
+                                 options=("--compile", "--val-samples", "0", "--warmup-steps", str(warmup)))
+        record["compiled"] = dict(compiled, **compile_figures(compiled, record["reference"]["single"]))
+        ratio, target = record["compiled"]["ratio_to_eager"], record["compiled"]["ratio_target"]
+        if ratio is not None:
+            clock.say(f"compiled: {ratio:.3f} of the eager process's samples/s (target {target:g}); the first step,"
+                      f" with compilation, took {compiled['first_step_seconds']:.0f} s")
+        return
+    clock.say(f"compiled: {record['compiled']['error']}")
 
 
 if __name__ == "__main__":

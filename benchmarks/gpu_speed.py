@@ -4,13 +4,20 @@ this machine.
 
     python -m benchmarks.gpu_speed --precision bf16-mixed --batch-size 1024            # one GPU
     python -m benchmarks.gpu_speed --precision bf16-mixed --batch-size 1024 --devices 2
+    python -m benchmarks.gpu_speed --precision bf16-mixed --batch-size 1024 --compile   # torch.compile the model
 
 The training step is the batch finder's trial step (the preset's model and AdamW, autocast, cross-entropy), so the
 batch the finder found is the batch measured here; 16-mixed adds a gradient scaler, as a real fp16 run needs. After
 --warmup-steps, training is timed for at least --seconds (whole steps, the GPU synchronised at both ends); then one
 pass over the validation split is timed. The last line printed is the result as JSON: samples/s of training and of
 validation, steps, peak GPU memory of each rank (torch.cuda.max_memory_allocated since the process started, so the
-model and optimizer state count, as in the batch finder). Exit status 3 means CUDA ran out of memory at this batch.
+model and optimizer state count, as in the batch finder), and the timed window's wall-clock start and end
+(time.time()). Exit status 3 means CUDA ran out of memory at this batch; 4 that a single-device run failed otherwise
+(a torch.compile that cannot compile, say), its last line JSON with the error in one line.
+
+--ready-dir and --ready-count time several processes' windows together (the GPU proof's two plain processes sharing
+one GPU): each, after its warm-up, marks itself ready in that folder and waits for the others, and all start timing at
+the same wall-clock moment.
 """
 
 from __future__ import annotations
@@ -22,11 +29,17 @@ import os
 import socket
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Iterator, Optional
 
 OOM_EXIT = 3  # as hivetrain.batch_size: this batch does not fit
+FAILED_EXIT = 4  # a single-device run failed otherwise: its last line is JSON with the error in one line
+READY_POLL_S = 0.05  # how often a process waiting for the others looks at --ready-dir
+# Once every process is ready, the common start is the last one's ready time plus this: time enough for the others,
+# which look every READY_POLL_S, to see that it is ready and be asleep until then.
+START_MARGIN_S = 0.5
 PRESET = "cifar10-vit-b32"  # the mission's model config (ViT-B/32, 224 px, 10 classes) and optimizer
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
@@ -56,12 +69,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dump-dir", default=None,
                         help="write the raw nvidia-smi views here right after the timed window (rank 0)")
     parser.add_argument("--dump-label", default="speed", help="file name prefix of those views")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model of the training step (--devices 1); compilation happens in the"
+                             " first warm-up step, untimed, and validation runs the eager model")
+    parser.add_argument("--ready-dir", default=None,
+                        help="a folder shared with the other processes of --ready-count (--devices 1): after warm-up,"
+                             " wait there until all are ready, then start the timed window together")
+    parser.add_argument("--ready-count", type=int, default=1, help="how many processes time their window together")
+    parser.add_argument("--ready-timeout", type=float, default=300.0,
+                        help="after this many seconds of waiting for the others, start timing alone (and say so)")
     args = parser.parse_args(argv)
     for name in ("batch_size", "devices", "train_samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.val_samples < 0 or args.warmup_steps < 0 or args.seconds < 0 or args.seed < 0:
         parser.error("--val-samples, --warmup-steps, --seconds and --seed must be 0 or more")
+    if args.devices > 1 and (args.compile or args.ready_dir):
+        parser.error("--compile and --ready-dir are for --devices 1")
+    if args.ready_count < 1 or (args.ready_count > 1 and not args.ready_dir):
+        parser.error("--ready-count must be at least 1, and more than 1 only with --ready-dir")
     if args.train_samples < args.batch_size * args.devices:
         parser.error(f"--train-samples {args.train_samples} holds no full batch of {args.batch_size} for each of"
                      f" {args.devices} device(s)")
@@ -77,7 +103,13 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     if args.devices == 1:
-        result = measure(0, 1, args)
+        try:
+            result = measure(0, 1, args)
+        except Exception as e:  # the traceback goes to the log; the proof reads the one line after it
+            traceback.print_exc()
+            print(json.dumps(dict(error=one_line(e), precision=args.precision, batch_size=args.batch_size, devices=1,
+                                  compile=args.compile)), flush=True)
+            return FAILED_EXIT
     else:
         result = _measure_ddp(args)
     if result.get("out_of_memory"):
@@ -86,6 +118,55 @@ def main(argv: Optional[list[str]] = None) -> int:
         return OOM_EXIT
     print(json.dumps(result), flush=True)
     return 0
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message, as torch.compile's errors run to many
+    lines."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}"[:400] if first else type(error).__name__
+
+
+def why_it_failed(output: str, exit_code: int) -> str:
+    """Why a gpu_speed run that exited with `exit_code` (not 0, not OOM_EXIT) failed, in one line: the error its last
+    line of `output` gives after FAILED_EXIT, else its exit code."""
+    lines = output.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if exit_code == FAILED_EXIT and lines else None
+    except json.JSONDecodeError:
+        result = None
+    if isinstance(result, dict) and isinstance(result.get("error"), str):
+        return result["error"]
+    return f"exit code {exit_code}"
+
+
+def start_together(folder: Path, count: int, timeout: float) -> tuple[float, bool]:
+    """Mark this process ready in `folder` (a file holding the wall-clock time it got ready) and sleep until `count`
+    processes have, then until the moment every one of them computes alike from those files: the last ready time
+    plus START_MARGIN_S. Sleeping rather than stepping while waiting starts every window within milliseconds of the
+    others' (a step would make it up to a whole step late).
+
+    Args:
+        folder: the folder every process of the group was given (empty before the first is ready).
+        count: how many processes start together.
+        timeout: after this many seconds of waiting, start at once.
+
+    Returns:
+        The seconds waited, and whether `timeout` ran out before `count` processes were ready.
+    """
+    ready = time.time()
+    scratch, mine = folder / f".ready-{os.getpid()}", folder / f"ready-{os.getpid()}"
+    scratch.write_text(repr(ready))
+    os.replace(scratch, mine)  # the others never read a half-written time
+    while True:
+        times = [float(path.read_text()) for path in folder.glob("ready-*")]
+        if len(times) >= count:
+            break
+        if time.time() - ready > timeout:
+            return time.time() - ready, True
+        time.sleep(READY_POLL_S)
+    time.sleep(max(0.0, max(times) + START_MARGIN_S - time.time()))
+    return time.time() - ready, False
 
 
 def _measure_ddp(args: argparse.Namespace) -> dict:
@@ -128,7 +209,13 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, result_path: str)
 
 def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     """Warm up, time training, time a validation pass; on a process group when world_size > 1. The result (complete
-    on rank 0) sums samples over ranks and lists each rank's peak memory."""
+    on rank 0) sums samples over ranks and lists each rank's peak memory.
+
+    Args:
+        rank: this process's rank (its GPU's index on CUDA).
+        world_size: how many processes train together (DDP when more than 1).
+        args: gpu_speed's parsed command line.
+    """
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -154,6 +241,8 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         from torch.nn.parallel import DistributedDataParallel
 
         trained = DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+    # Validation runs the eager model: a compiled one would compile again for eval mode inside the timed pass.
+    step_model = torch.compile(trained) if args.compile else trained
     dtype = autocast_dtype(args.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "16-mixed")
     workers = args.num_workers if args.num_workers is not None else (
@@ -196,22 +285,35 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
             x = to_model_input(images.to(device, non_blocking=True), "cifar10", img_size)
             y = labels.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                loss = F.cross_entropy(trained(x), y)
+                loss = F.cross_entropy(step_model(x), y)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
 
-        for _ in range(args.warmup_steps):
+        first_step_seconds = None  # the first step holds CUDA's and cuBLAS's start, and with --compile compilation
+        warmup_started = time.perf_counter()
+        for n in range(args.warmup_steps):
             step()
+            if n == 0:
+                synchronize()
+                first_step_seconds = time.perf_counter() - warmup_started
         synchronize()
+        warmup_seconds = time.perf_counter() - warmup_started
+        ready_wait_seconds, ready_timed_out = 0.0, False
+        if args.ready_count > 1:
+            say(f"waiting in {args.ready_dir} for {args.ready_count} processes to be ready", flush=True)
+            ready_wait_seconds, ready_timed_out = start_together(Path(args.ready_dir), args.ready_count,
+                                                                 args.ready_timeout)
         say(f"timing training for at least {args.seconds:g} s", flush=True)
+        window_start_time = time.time()
         started = time.perf_counter()
         while steps < 2 or time.perf_counter() - started < args.seconds:
             step()
             steps += 1
         synchronize()
         train_seconds = time.perf_counter() - started
+        window_end_time = time.time()
         dumps = []
         if rank == 0 and args.dump_dir:  # the GPUs as they are at the end of a busy window, memory still held
             from benchmarks.gpu_monitor import write_nvidia_smi_dumps
@@ -256,7 +358,11 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     val_seen = sum(r["val_seen"] for r in ranks)
     return dict(
         out_of_memory=False, precision=args.precision, batch_size=args.batch_size, devices=world_size,
-        strategy="ddp" if world_size > 1 else "single", warmup_steps=args.warmup_steps, steps=steps,
+        strategy="ddp" if world_size > 1 else "single", compile=args.compile, warmup_steps=args.warmup_steps,
+        first_step_seconds=None if first_step_seconds is None else round(first_step_seconds, 2),
+        warmup_seconds=round(warmup_seconds, 2), ready_count=args.ready_count,
+        ready_wait_seconds=round(ready_wait_seconds, 2), ready_timed_out=ready_timed_out,
+        window_start_time=round(window_start_time, 3), window_end_time=round(window_end_time, 3), steps=steps,
         train_samples=samples, train_seconds=round(train_seconds, 3),
         train_samples_per_s=round(samples / train_seconds, 1),
         val_samples=val_seen, val_seconds=round(val_seconds, 3),

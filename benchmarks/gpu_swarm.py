@@ -4,16 +4,24 @@
    also measures the card's bf16 matrix rate and counts the training FLOPs per image (`measure_ceiling`);
 2. a coordinator of the `synthetic-vit-b32` preset (ViT-B/32 at 224 px, random init, CIFAR-10-shaped noise) in diloco
    mode and two `peers/join.py --device cuda --batch-size B --precision bf16-mixed` sharing the GPU, in each variant of
-   SWARM_VARIANTS: rounds overlapped with the next inner steps, or blocking (`measure_swarm_variants`);
+   SWARM_VARIANTS: rounds overlapped with the next inner steps, blocking, or overlapped and paced in seconds
+   (`measure_swarm_variants`);
 3. per variant (`swarm_figures`): the peers' summed samples/s against the single process's samples/s at the same batch
-   (benchmarks.gpu_speed, measured by gpu_proof), the GPU's NVML utilisation while both peers trained, each peer's
-   shares of its training time in swarm rounds and in waits for overlapped rounds, and the swarm's MFU.
+   (benchmarks.gpu_speed, measured by gpu_proof) and against two plain processes sharing the GPU (the control of
+   benchmarks/gpu_control.py), the GPU's NVML utilisation while both peers trained, each peer's shares of its training
+   time in swarm rounds and in waits for overlapped rounds, and the swarm's MFU.
+
+SWARM_VARIANTS names each variant's coordinator options: another variant is one more entry, and gpu_proof's
+--swarm-variants picks which of them a proof runs. The swarm needs hivemind: `ensure_hivemind` installs it from a
+wheelhouse on a machine without network.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +41,9 @@ SWARM_PRECISION = "bf16-mixed"  # the precision the mission's GPU peers train in
 SWARM_VARIANTS = {
     "diloco-overlapped": ["--mode", "diloco", "--overlap-rounds"],
     "diloco-blocking": ["--mode", "diloco", "--no-overlap-rounds"],
+    # rounds paced in seconds (each peer's inner steps from its own speed, groups looked for ahead), overlapped: about
+    # as many steps a round as the 60 above on an H100 shared by two peers (--inner-steps then paces the LR only)
+    "diloco-paced": ["--mode", "diloco", "--overlap-rounds", "--round-seconds", "10"],
 }
 RATIO_TARGET = 0.90  # the swarm's samples/s over one process's at the same batch (issue 26, item 6)
 RATIO_STRETCH = 0.96
@@ -48,6 +59,37 @@ def coordinator_args(variant: str, inner_steps: int) -> list[str]:
     return [*SWARM_VARIANTS[variant], "--inner-steps", str(inner_steps)]
 
 
+def prepend_pythonpath(path: Path) -> None:
+    """Put `path` first on PYTHONPATH, for the processes this one starts."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(path) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(path), *parts])
+
+
+def ensure_hivemind(wheelhouse: Path, site: Path, say=print) -> Optional[str]:
+    """None when hivemind can be imported, after installing it from `wheelhouse` into `site` (on PYTHONPATH) if it
+    was missing; otherwise why the swarm cannot run."""
+    if importlib.util.find_spec("hivemind") is None and not (site / "hivemind").is_dir():
+        wheels = sorted(wheelhouse.glob("*.whl"))
+        if not wheels:
+            return (f"hivemind is not installed and {wheelhouse} holds no wheels: run scripts/prepare-gpu-wheelhouse.sh"
+                    " where there is network and bring .whl/ along")
+        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                   "--target", str(site), *map(str, wheels)]
+        say(f"installing hivemind and its dependencies from {wheelhouse} ({len(wheels)} wheels) into {site}")
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            return f"installing the wheels of {wheelhouse} failed: {tail}"
+    if importlib.util.find_spec("hivemind") is None:
+        sys.path.insert(0, str(site))
+        prepend_pythonpath(site)
+        importlib.invalidate_caches()
+        if importlib.util.find_spec("hivemind") is None:
+            return f"hivemind is neither installed nor in {site}"
+    return None
+
+
 def peer_args(minutes: float, batch: int) -> list[str]:
     # After run_swarm's own --threads 1 (the last one counts): a peer's rounds and state transfers of ViT-B/32's 88M
     # parameters run on the CPU, where one thread would leave most of a GPU machine's cores idle. The batch is given
@@ -55,6 +97,29 @@ def peer_args(minutes: float, batch: int) -> list[str]:
     threads = max(1, min(8, (os.cpu_count() or 2) // 4))
     return ["--device", "cuda", "--max-time", f"{minutes:g}", "--threads", str(threads), "--batch-size", str(batch),
             "--precision", SWARM_PRECISION]
+
+
+def new_swarm_record(variants: list[str], minutes: float, batch: int, inner_steps: int,
+                     skipped: Optional[str]) -> dict:
+    """The record's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.harness
+    starts them, less their --identity, --log-dir and --name in a scratch folder) and the ratio it aims at.
+
+    Args:
+        variants: the keys of SWARM_VARIANTS the proof will run, in order.
+        minutes: each peer's --max-time.
+        batch: each peer's batch.
+        inner_steps: the coordinator's --inner-steps.
+        skipped: why the swarm will not run, or None.
+    """
+    coordinator_commands = {variant: shlex.join([
+        "python", "coordinator/start.py", "--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0",
+        "--validate-every", "0", *coordinator_args(variant, inner_steps)]) for variant in variants}
+    peer_command = shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS", "--min-peers",
+                               "2", "--seed", "PEER_INDEX", "--progress-bar", "off", *peer_args(minutes, batch)])
+    return dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, batch_size=batch,
+                precision=SWARM_PRECISION, inner_steps=inner_steps, ratio_target=RATIO_TARGET,
+                ratio_stretch=RATIO_STRETCH, coordinator_commands=coordinator_commands, peer_command=peer_command,
+                variants=[], skipped=skipped or "not reached: the proof stopped before the swarm")
 
 
 def parse_ceiling_output(text: str) -> dict:
@@ -113,17 +178,22 @@ def mean_gpu_util(series: list[dict], start_s: float, end_s: float) -> tuple[Opt
     return (sum(every) / len(every) if every else None), "run"
 
 
-def swarm_figures(samples_per_s: float, single: Optional[dict], ceiling: Optional[dict]) -> dict:
-    """The swarm's samples/s held against the single process's (`single`: a gpu_speed result) and the ceiling's MFU
-    denominator (`ceiling`: a gpu_ceiling result); a figure whose reference failed or was not run is None."""
+def swarm_figures(samples_per_s: float, single: Optional[dict], ceiling: Optional[dict],
+                  control: Optional[dict] = None) -> dict:
+    """The swarm's samples/s held against the single process's (`single`: a gpu_speed result), two plain processes'
+    sharing the GPU (`control`: gpu_control.measure_control's result) and the ceiling's MFU denominator (`ceiling`: a
+    gpu_ceiling result); a figure whose reference failed or was not run is None."""
     single_rate = single.get("train_samples_per_s") if single and not single.get("error") else None
+    control_rate = control.get("samples_per_s") if control and not control.get("error") else None
     ratio = samples_per_s / single_rate if single_rate else None
     mfu = None
     if ceiling and not ceiling.get("error"):
         mfu = samples_per_s * ceiling["train_flops_per_image"] / ceiling["bf16_matmul_flops"]
     return dict(single_samples_per_s=single_rate, ratio_to_single=ratio,
                 ratio_target_met=None if ratio is None else ratio >= RATIO_TARGET,
-                ratio_stretch_met=None if ratio is None else ratio >= RATIO_STRETCH, mfu=mfu)
+                ratio_stretch_met=None if ratio is None else ratio >= RATIO_STRETCH, mfu=mfu,
+                control_samples_per_s=control_rate,
+                ratio_to_control=samples_per_s / control_rate if control_rate else None)
 
 
 def time_shares(left_events: list[dict]) -> dict:
@@ -137,12 +207,13 @@ def time_shares(left_events: list[dict]) -> dict:
 
 
 def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inner_steps: int, artifacts: Path,
-                           clock, single: Optional[dict] = None, ceiling: Optional[dict] = None) -> list[dict]:
+                           clock, single: Optional[dict] = None, ceiling: Optional[dict] = None,
+                           control: Optional[dict] = None) -> list[dict]:
     """A 2-peer swarm sharing the GPU in each of `variants` (keys of SWARM_VARIANTS): a coordinator of SWARM_PRESET
     and two `peers/join.py --device cuda --max-time MINUTES --batch-size BATCH --precision bf16-mixed` on loopback,
     as benchmarks.harness's run_swarm starts them; samples/s of both peers together from their epoch events while both
-    trained (benchmarks.harness.swarm_window), and the figures of `swarm_figures` and `time_shares`. The roles' logs
-    are kept in `artifacts`; `clock` is gpu_proof's Clock."""
+    trained (benchmarks.harness.swarm_window), and the figures of `swarm_figures` (against `single`, `ceiling` and
+    `control`) and `time_shares`. The roles' logs are kept in `artifacts`; `clock` is gpu_proof's Clock."""
     from benchmarks.harness import run_swarm, swarm_window
     from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
 
@@ -188,9 +259,10 @@ def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inne
             util, over = mean_gpu_util(monitor.recording["nvml_series"], result["window_start_s"],
                                        result["window_end_s"])
             result.update(gpu_util_percent=util, gpu_util_over=over,
-                          **swarm_figures(result["samples_per_s"], single, ceiling))
-            ratio = result["ratio_to_single"]
+                          **swarm_figures(result["samples_per_s"], single, ceiling, control))
+            ratio, to_control = result["ratio_to_single"], result["ratio_to_control"]
             clock.say(f"swarm, {variant}: {result['samples_per_s']:,.0f} samples/s over {result['window_s']:.0f} s,"
-                      f" {result['epochs']} rounds" + (f", {ratio:.2f} of one process's" if ratio else ""))
+                      f" {result['epochs']} rounds" + (f", {ratio:.3f} of one process's" if ratio else "")
+                      + (f", {to_control:.3f} of two plain processes'" if to_control else ""))
         results.append(result)
     return results

@@ -1,12 +1,12 @@
 """The GPU proof's pieces that run without a GPU: the one-line exit where there is no CUDA, the synthetic data, the
-batch finder's trial on generated data, the speed measurement (on CPUs, one process and DDP over gloo), the ceiling run
-and its parsing (on a CPU), a swarm variant's figures from its peers' events (the swarm's processes faked), and the
-page rendered from an example record and from a record of those pieces. Everything is written under tmp_path."""
+batch finder's trial on generated data, the ceiling run and its parsing (on a CPU), a swarm variant's figures from its
+peers' events (the swarm's processes faked), the proof's wiring (its runs faked), and the page rendered from an
+example record and from a record of those pieces; the speed runs and the control are in test_gpu_runs.py.
+Everything is written under tmp_path."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 import subprocess
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpu_proof, gpu_swarm
+from benchmarks import gpu_control, gpu_proof, gpu_swarm
 from benchmarks.gpu_page import render_gpu_page
 from hivetrain.pixels import to_model_input
 from hivetrain.synthetic_data import DATA_ORIGIN, SyntheticCifar10
@@ -46,6 +46,8 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path):
     (["--train-samples", "0"], "--train-samples must be at least 1"),
     (["--precisions", "32", "32"], "lists a precision twice"),
     (["--swarm-batch", "0"], "--swarm-batch and --swarm-inner-steps must be at least 1"),
+    (["--swarm-variants", "diloco-blocking", "diloco-blocking"], "--swarm-variants lists a variant twice"),
+    (["--swarm-variants", "sync"], "argument --swarm-variants: invalid choice: 'sync'"),
 ])
 def test_bad_input_fails_with_one_line(args, message):
     done = run_module("benchmarks.gpu_proof", *args)
@@ -56,12 +58,14 @@ def test_bad_input_fails_with_one_line(args, message):
 
 
 def test_help_explains_what_is_measured():
-    done = run_module("benchmarks.gpu_proof", "--help")
+    done = run_module("benchmarks.gpu_proof", "--help", env={"COLUMNS": "500"})  # argparse wraps at hyphens too
     assert done.returncode == 0
     text = " ".join(done.stdout.split())
     for words in ("synthetic data shaped like CIFAR-10", "batch finder", "DDP", "2-peer swarm", "nvidia-smi",
                   "logbook/gpu.md", "prepare-gpu-wheelhouse.sh", "pure-compute ceiling", "overlapped and blocking",
-                  "--no-search", "--swarm-batch", "--swarm-inner-steps"):
+                  "--no-search", "--swarm-batch", "--swarm-inner-steps", "--swarm-variants", "--no-control",
+                  "two plain processes", "--no-compile-run", "torch.compile", "target 1.2 times",
+                  "diloco-overlapped (coordinator --mode diloco --overlap-rounds)"):
         assert words in text, words
 
 
@@ -123,35 +127,6 @@ def test_batch_finder_trial_on_generated_data_needs_no_dataset(tmp_path):
     assert not (tmp_path / "no-data").exists()
 
 
-def _speed(*args: str) -> dict:
-    done = run_module("benchmarks.gpu_speed", "--device", "cpu", "--precision", "32", "--batch-size", "2",
-                      "--train-samples", "6", "--val-samples", "3", "--warmup-steps", "1", "--seconds", "0",
-                      "--threads", "1", "--seed", "5", *args, timeout=400)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_speed_measurement_on_one_device():
-    result = _speed()
-    assert result["strategy"] == "single" and result["devices"] == 1 and not result["out_of_memory"]
-    assert result["steps"] >= 2 and result["train_samples"] == 2 * result["steps"]
-    # rounded to 0.1 samples/s: on a busy CPU the rate falls under 1, where that rounding is more than 5%
-    assert result["train_samples_per_s"] == pytest.approx(result["train_samples"] / result["train_seconds"], rel=0.05,
-                                                          abs=0.05)
-    assert result["val_samples"] == 3 and result["val_samples_per_s"] > 0
-    assert math.isfinite(result["final_loss"])
-    assert result["peak_memory_bytes"] == [None]  # a CPU has no CUDA allocator to ask
-
-
-def test_speed_measurement_with_ddp_over_two_processes():
-    result = _speed("--devices", "2", "--num-workers", "1")
-    assert result["strategy"] == "ddp" and result["devices"] == 2
-    # Both ranks step together: samples count both, each rank reports its memory.
-    assert result["train_samples"] == 2 * 2 * result["steps"]
-    assert len(result["peak_memory_bytes"]) == 2 and len(result["device_names"]) == 2
-    assert result["val_samples"] == 4  # 3 samples split over 2 ranks: DistributedSampler pads to 2 each
-
-
 def test_page_rendered_from_the_example_record(tmp_path):
     record = json.loads(EXAMPLE_RECORD.read_text())
     page = render_gpu_page(record, tmp_path / "logbook", EXAMPLE_RECORD.parent)
@@ -174,6 +149,18 @@ def test_page_rendered_from_the_example_record(tmp_path):
         assert (tmp_path / "logbook" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (tmp_path / "logbook").iterdir()) == ["gpu-speed.png", "gpu-utilisation.png",
                                                                           "gpu.md"]
+    # The compiled single process against the eager reference, and the control of two plain processes.
+    assert ("With torch.compile (`benchmarks.gpu_speed --compile`, default mode, no validation pass): **10,546 training"
+            " samples/s** at batch 1024 (62 steps in 6.0 s), **1.241×** the eager process's 8,500, target ≥ 1.2:"
+            " met."
+            " Compilation happens in the first of 10 untimed warm-up steps, which took 48.3 s") in text
+    assert "## Two plain processes sharing the GPU (the swarm's control)" in text
+    assert "**7,410 training samples/s together, 0.872 of one process's** (8,500 samples/s, above)" in text
+    assert "| 0 | 0 | 3,700 | 12:04:10.251–12:04:18.552 | 30 in 8.3 s | 1.6 s | 18.61 GiB |" in text
+    assert "| both |  | **7,410** | overlap 8.28 s (100% of the longer) |" in text
+    assert "did not overlap enough" not in text and "over the windows' overlap: 100%" in text
+    assert "| two plain processes (control) | 330–366 s |" in text and "| speed `bf16-mixed` compiled |" in text
+    assert text.index("## One process at") < text.index("## Two plain processes") < text.index("## A 2-peer swarm")
 
 
 def test_page_says_why_the_swarm_did_not_run(tmp_path):
@@ -193,15 +180,15 @@ def test_page_command_refuses_a_record_that_is_not_one(tmp_path):
 
 
 def test_swarm_without_hivemind_or_wheels_says_what_to_do(tmp_path, monkeypatch):
-    real_find_spec = gpu_proof.importlib.util.find_spec
-    monkeypatch.setattr(gpu_proof.importlib.util, "find_spec",
+    real_find_spec = gpu_swarm.importlib.util.find_spec
+    monkeypatch.setattr(gpu_swarm.importlib.util, "find_spec",
                         lambda name, *a: None if name == "hivemind" else real_find_spec(name, *a))
-    reason = gpu_proof.ensure_hivemind(tmp_path / "empty-wheelhouse", tmp_path / "site", say=lambda _: None)
+    reason = gpu_swarm.ensure_hivemind(tmp_path / "empty-wheelhouse", tmp_path / "site", say=lambda _: None)
     assert "hivemind is not installed" in reason and "prepare-gpu-wheelhouse.sh" in reason
 
 
 def test_unknown_swarm_variants_are_refused_before_anything_starts(tmp_path):
-    with pytest.raises(ValueError, match="'sync' is not one of diloco-overlapped, diloco-blocking"):
+    with pytest.raises(ValueError, match="'sync' is not one of diloco-overlapped, diloco-blocking, diloco-paced"):
         gpu_swarm.measure_swarm_variants(["diloco-blocking", "sync"], 1.0, 1024, 100, tmp_path, gpu_proof.Clock())
     assert list(tmp_path.iterdir()) == []
 
@@ -212,20 +199,32 @@ def test_a_spent_budget_skips_the_steps_left_and_the_page_of_a_cut_off_proof_say
     assert skipped.startswith("skipped:") and "--budget-minutes" in skipped
     assert gpu_proof.Clock(budget_minutes=5).spent() is None
     assert gpu_swarm.measure_swarm_variants(list(gpu_swarm.SWARM_VARIANTS), 1.0, 1024, 100, tmp_path, clock) == [
-        dict(variant="diloco-overlapped", error=skipped), dict(variant="diloco-blocking", error=skipped)]
-    assert list(tmp_path.iterdir()) == []  # no swarm started
+        dict(variant=variant, error=skipped) for variant in gpu_swarm.SWARM_VARIANTS]
+    # The control and the compiled run skip alike (and say so), as do --no-control and --no-compile-run.
+    for flags, control_error, compiled_error in (
+            ([], skipped, skipped),
+            (["--no-control", "--no-compile-run"], "skipped: --no-control was given",
+             "skipped: --no-compile-run was given")):
+        skipping: dict = dict(reference=dict(single=dict(train_samples_per_s=8500.0, batch_size=1024)))
+        gpu_control.run_control(skipping, gpu_proof.parse_args(flags), tmp_path, clock)
+        gpu_proof.measure_compiled(skipping, gpu_proof.parse_args(flags), tmp_path, clock)
+        assert skipping["control"] == dict(error=control_error) and skipping["compiled"] == dict(error=compiled_error)
+    assert list(tmp_path.iterdir()) == []  # no swarm, control or compiled run started
 
     # What run_proof saves after a step, when the proof is cut off before the rest: finished is still False.
     record = json.loads(EXAMPLE_RECORD.read_text())
     record["finished"] = False
     record["precisions"][-1]["search"] = dict(error=skipped)
     record["precisions"][-1]["single"] = dict(strategy="single", error=skipped)
-    record["swarm"] = gpu_proof.new_swarm_record(gpu_proof.parse_args([]), None)
+    record["swarm"] = gpu_swarm.new_swarm_record(["diloco-blocking"], 1.0, 1024, 100, None)
     record["swarm"].update(skipped=None, variants=[dict(variant="diloco-blocking", error=skipped)])
+    record["control"], record["compiled"] = dict(error=skipped), None
     text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
     assert "**Cut off.**" in text
-    assert f"| diloco-blocking | {' | '.join(['–'] * 9)} | {skipped} |" in text
+    assert f"| diloco-blocking | {' | '.join(['–'] * 10)} | {skipped} |" in text
     assert f"– | {skipped} |" in text and f"failed: {skipped}" not in text
+    assert f"Not measured: {skipped}." in text
+    assert "--compile`, default mode, no validation pass): not reached: the proof stopped before it." in text
 
 
 def test_sigterm_ends_the_step_running_and_skips_the_rest():
@@ -315,8 +314,9 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     monkeypatch.setattr(benchmarks.gpu_monitor, "NvmlSeries", FakeNvmlSeries)
     record = json.loads(EXAMPLE_RECORD.read_text())
     single = dict(record["precisions"][1]["single"], batch_size=1024, train_samples_per_s=7200.0)
+    control = dict(record["control"], samples_per_s=6400.0)
     [run] = gpu_swarm.measure_swarm_variants(["diloco-overlapped"], 1.25, 1024, 100, artifacts, clock,
-                                             single=single, ceiling=ceiling)
+                                             single=single, ceiling=ceiling, control=control)
 
     assert started_swarms == [(2, ["--mode", "diloco", "--overlap-rounds", "--inner-steps", "100"], [
         "--device", "cuda", "--max-time", "1.25", "--threads", gpu_swarm.peer_args(1, 1)[5], "--batch-size", "1024",
@@ -326,6 +326,7 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     assert run["samples_per_s"] == pytest.approx(rate)
     assert run["ratio_to_single"] == pytest.approx(rate / 7200) and 0.90 < run["ratio_to_single"] < 0.96
     assert run["ratio_target_met"] is True and run["ratio_stretch_met"] is False
+    assert run["control_samples_per_s"] == 6400.0 and run["ratio_to_control"] == pytest.approx(rate / 6400)
     assert run["mfu"] == pytest.approx(rate * ceiling["train_flops_per_image"] / ceiling["bf16_matmul_flops"])
     assert run["gpu_util_over"] == "window" and run["gpu_util_percent"] == pytest.approx(95.0)
     assert run["swarm_time_share"] == [0.08, 0.08] and run["wait_share"] == [0.02, 0.05]
@@ -333,15 +334,18 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     assert run["logs"] == [f"swarm-diloco-overlapped-{r}.log" for r in ("coordinator", "peer-0", "peer-1")]
     assert all((artifacts / name).exists() for name in run["logs"])
 
-    # A variant whose single-process reference failed still has its samples/s, and no ratio.
-    assert gpu_swarm.swarm_figures(rate, dict(error="failed: exit code 1"), ceiling)["ratio_to_single"] is None
+    # A variant whose single-process reference or control failed still has its samples/s, and no ratio.
+    failed = gpu_swarm.swarm_figures(rate, dict(error="failed: exit code 1"), ceiling, dict(error="skipped: ..."))
+    assert failed["ratio_to_single"] is None and failed["ratio_to_control"] is None
 
     # The page of a short proof (--no-search) with these pieces in the record, as run_proof saves it.
     args = gpu_proof.parse_args(["--no-search", "--precisions", "bf16-mixed", "--swarm-minutes", "1.25"])
     record["settings"].update(search=False, swarm_batch=1024)
     record["reference"] = dict(batch_size=1024, precision="bf16-mixed", single=single,
                                single_from=gpu_swarm.OWN_REFERENCE_RUN, ceiling=ceiling)
-    record["swarm"] = gpu_proof.new_swarm_record(args, None)
+    record["control"] = control
+    record["swarm"] = gpu_swarm.new_swarm_record(args.swarm_variants, args.swarm_minutes, args.swarm_batch,
+                                                 args.swarm_inner_steps, None)
     record["swarm"].update(skipped=None, variants=json.loads(json.dumps([run, dict(
         variant="diloco-blocking", error="a peer of swarm-diloco-blocking failed (exit code 1); see its log")])))
     text = render_gpu_page(record, tmp_path / "logbook", tmp_path / "records").read_text()
@@ -349,52 +353,87 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     assert "## One process at the swarm's batch (1024, `bf16-mixed`)" in text
     assert "**7,200 training samples/s**" in text and "(7,200 samples/s, above)" in text
     assert f"**{ceiling['samples_per_s']:,.0f} samples/s**, MFU **{100 * ceiling['mfu']:.1f}%**" in text
-    assert (f"| diloco-overlapped | {rate:,.0f} | {rate / 7200:.3f} | met | not met | 95% | 8.0%, 8.0% |"
-            f" 2.0%, 5.0% | {100 * run['mfu']:.1f}% |") in text
+    assert (f"| diloco-overlapped | {rate:,.0f} | {rate / 7200:.3f} | {rate / 6400:.3f} | met | not met | 95% |"
+            f" 8.0%, 8.0% | 2.0%, 5.0% | {100 * run['mfu']:.1f}% |") in text
+    assert "| of one process's | of two plain processes' |" in text
+    assert "by the control's, two plain processes sharing the GPU (6,400 samples/s, above)" in text
     assert "| diloco-blocking | – |" in text and "failed: a peer of swarm-diloco-blocking failed" in text
     assert "--mode diloco --no-overlap-rounds --inner-steps 100" in text
     assert "--batch-size 1024 --precision bf16-mixed" in text
     assert "| ceiling `bf16-mixed` |" in text and "| swarm diloco-overlapped |" in text
 
 
-def test_a_short_proof_reuses_its_speed_run_as_the_swarms_reference(tmp_path, monkeypatch):
+COMPILED_RUN = ("speed", "bf16-mixed", 1024, "compiled-bf16-mixed",
+                ("--compile", "--val-samples", "0", "--warmup-steps", str(gpu_control.COMPILE_WARMUP_STEPS)))
+
+
+@pytest.mark.parametrize("flags, expected_calls", [
+    ([], [("speed", "bf16-mixed", 1024, None, ()), ("ceiling", 1024, 6.0), ("control", 1024, 6.0, 7000.0),
+          ("swarm", ("diloco-overlapped",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0),
+          ("swarm", ("diloco-blocking",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0),
+          ("swarm", ("diloco-paced",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0), COMPILED_RUN]),
+    (["--swarm-variants", "diloco-blocking", "--no-control", "--no-compile-run"],
+     [("speed", "bf16-mixed", 1024, None, ()), ("ceiling", 1024, 6.0),
+      ("swarm", ("diloco-blocking",), 1.25, 1024, 100, 7000.0, 0.26, None)]),
+])
+def test_a_short_proof_reuses_its_speed_run_as_the_swarms_reference(tmp_path, monkeypatch, flags, expected_calls):
     """run_proof's wiring with --no-search, its runs faked: the bf16-mixed speed run at --swarm-batch is the single
-    process the swarm is held against, the ceiling runs at that batch, and both variants get both references."""
+    process the swarm, the control and the compiled run are held against, the ceiling and the control run at that
+    batch, every variant of --swarm-variants gets all three references, and the compiled run comes last."""
     example = json.loads(EXAMPLE_RECORD.read_text())
     calls = []
 
-    def fake_speed(precision, batch, devices, args, artifacts, clock, label=None):
-        calls.append(("speed", precision, batch, label))
-        return dict(example["precisions"][1]["single"], batch_size=batch, train_samples_per_s=7000.0)
+    def fake_speed(precision, batch, devices, args, artifacts, clock, label=None, options=(), timeout=None):
+        calls.append(("speed", precision, batch, label, options))
+        compiled = "--compile" in options
+        assert timeout == (gpu_control.COMPILE_TIMEOUT_S if compiled else None)  # the budget has minutes left
+        return dict(example["precisions"][1]["single"], batch_size=batch,
+                    train_samples_per_s=9100.0 if compiled else 7000.0, first_step_seconds=40.0, warmup_seconds=41.0)
 
     def fake_ceiling(batch, seconds, artifacts, clock):
         calls.append(("ceiling", batch, seconds))
         return dict(samples_per_s=8000.0, bf16_matmul_flops=8e14, train_flops_per_image=26e9, mfu=0.26,
                     matmul_size=8192, log="ceiling-bf16-mixed.log")
 
-    def fake_swarm(variants, minutes, batch, inner_steps, artifacts, clock, single=None, ceiling=None):
+    def fake_control(batch, seconds, artifacts, clock, single, *, train_samples, seed, warmup_steps):
+        calls.append(("control", batch, seconds, single["train_samples_per_s"]))
+        return dict(example["control"], samples_per_s=6300.0)
+
+    def fake_swarm(variants, minutes, batch, inner_steps, artifacts, clock, single=None, ceiling=None, control=None):
         calls.append(("swarm", tuple(variants), minutes, batch, inner_steps, single["train_samples_per_s"],
-                      ceiling["mfu"]))
+                      ceiling["mfu"], control.get("samples_per_s")))
         return [dict(variant=variant, error="not run: faked") for variant in variants]
 
     monkeypatch.setattr(gpu_proof, "measure_speed", fake_speed)
     monkeypatch.setattr(gpu_proof, "measure_ceiling", fake_ceiling)
+    monkeypatch.setattr(gpu_control, "measure_control", fake_control)
     monkeypatch.setattr(gpu_proof, "measure_swarm_variants", fake_swarm)
     monkeypatch.setattr(gpu_proof, "ensure_hivemind", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = gpu_proof.parse_args(["--precisions", "bf16-mixed", "--no-search", "--speed-seconds", "6",
                                  "--swarm-minutes", "1.25", "--out", str(tmp_path / "out"), "--records",
-                                 str(tmp_path / "records"), "--commit", "abc"])
+                                 str(tmp_path / "records"), "--commit", "abc", *flags])
     assert gpu_proof.run_proof(args, "python -m benchmarks.gpu_proof ...") == 0
-    assert calls == [("speed", "bf16-mixed", 1024, None), ("ceiling", 1024, 6.0),
-                     ("swarm", ("diloco-overlapped",), 1.25, 1024, 100, 7000.0, 0.26),
-                     ("swarm", ("diloco-blocking",), 1.25, 1024, 100, 7000.0, 0.26)]
+    assert calls == expected_calls
     [path] = (tmp_path / "records").glob("gpu-proof-*.json")
     record = json.loads(path.read_text())
     assert record["finished"] and record["settings"]["search"] is False
     assert record["precisions"][0]["search"] == dict(
         error="skipped: --no-search was given; speed measured at --swarm-batch 1024")
     assert record["reference"]["single_from"] == "the bf16-mixed single-GPU speed run above"
-    assert [run["variant"] for run in record["swarm"]["variants"]] == ["diloco-overlapped", "diloco-blocking"]
+    variants = [call[1][0] for call in expected_calls if call[0] == "swarm"]
+    assert [run["variant"] for run in record["swarm"]["variants"]] == variants
+    assert list(record["swarm"]["coordinator_commands"]) == variants == record["settings"]["swarm_variants"]
     text = (tmp_path / "out" / "gpu.md").read_text()
     assert "Not searched (`--no-search`)" in text and "| diloco-blocking | – |" in text
+    if flags:
+        assert record["control"] == dict(error="skipped: --no-control was given")
+        assert record["compiled"] == dict(error="skipped: --no-compile-run was given")
+        assert "Not measured: skipped: --no-control was given." in text
+        assert "--compile`, default mode, no validation pass): skipped: --no-compile-run was given." in text
+    else:
+        assert record["control"]["samples_per_s"] == 6300.0
+        compiled = record["compiled"]
+        assert compiled["ratio_to_eager"] == pytest.approx(1.3) and compiled["ratio_target_met"] is True
+        assert compiled["eager_samples_per_s"] == 7000.0 and compiled["ratio_target"] == 1.2
+        assert "**9,100 training samples/s** at batch 1024" in text and "**1.300×** the eager process's 7,000" in text
