@@ -193,6 +193,12 @@ def compile_figures(compiled: dict, eager: Optional[dict]) -> dict:
                 ratio_target_met=None if ratio is None else ratio >= COMPILE_RATIO_TARGET)
 
 
+def why_skipped(skip_flag: bool, flag: str, clock) -> Optional[str]:
+    """Why a step of the proof does not run: its `flag` (a --no-... option) was given, or the budget is spent
+    (clock.spent()'s words); None: it runs."""
+    return f"skipped: {flag} was given" if skip_flag else clock.spent()
+
+
 def run_control(record: dict, args, artifacts: Path, clock) -> None:
     """The gpu_proof's step: two plain processes sharing the GPU at the swarm's batch and precision
     (`measure_control`), held against the reference's single process, into record["control"]; skipped by
@@ -204,9 +210,7 @@ def run_control(record: dict, args, artifacts: Path, clock) -> None:
         artifacts: where the runs' files go.
         clock: gpu_proof's Clock (its budget, `spent`, and `say`).
     """
-    if args.no_control:
-        record["control"] = dict(error="skipped: --no-control was given")
-    elif skipped := clock.spent():
+    if (skipped := why_skipped(args.no_control, "--no-control", clock)) is not None:
         record["control"] = dict(error=skipped)
     else:
         record["control"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.gpu_control import (COMPILE_OVERRUN_S, COMPILE_TIMEOUT_S, COMPILE_WARMUP_STEPS, STOPPED_WHILE_RUNNING,
-                                    compile_figures, run_control)
+                                    compile_figures, run_control, why_skipped)
 from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET, why_it_failed
 from benchmarks.gpu_swarm import (OWN_REFERENCE_RUN, SWARM_PRECISION, SWARM_VARIANTS, ensure_hivemind,
                                   measure_ceiling, measure_swarm_variants, new_swarm_record, prepend_pythonpath)
@@ -467,9 +467,7 @@ def measure_compiled(record: dict, args: argparse.Namespace, artifacts: Path, cl
     its untimed warm-up and no validation pass, held against the reference's eager single process, into
     record["compiled"]; skipped by --no-compile-run or a spent budget, and stopped COMPILE_OVERRUN_S after the
     budget ends (a compilation can take minutes: the proof's total stays within the budget and a little)."""
-    if args.no_compile_run:
-        record["compiled"] = dict(error="skipped: --no-compile-run was given")
-    elif skipped := clock.spent():
+    if (skipped := why_skipped(args.no_compile_run, "--no-compile-run", clock)) is not None:
         record["compiled"] = dict(error=skipped)
     else:
         record["compiled"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first
