@@ -19,10 +19,9 @@ from torch.utils.data import DataLoader
 from hivetrain.checkpoint import CheckpointError, CheckpointStore
 from hivetrain.clock import read_clock, swarm_epoch
 from hivetrain.config import RunConfig
-from hivetrain.diloco import next_round_time
+from hivetrain.diloco import next_round_time, paced_round_samples
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import CheckpointRow, MetricsWriter, PeerRow, RollbackRow, SwarmSnapshot, ValidationRow
-from hivetrain.record_guard import INT64_MAX
 from hivetrain.rollback import ROUNDS_AHEAD, RollbackRecord
 from hivetrain.telemetry import PeerIdOwners, bounded_sum, finite_or_none, read_peer_records, read_swarm_progress
 
@@ -80,7 +79,7 @@ class SwarmMonitor:
         remaining = max(0, target - progress.samples_accumulated)
         eta = finite_or_none(remaining / samples_per_second) if samples_per_second > 0 else None
         if swarm.mode == "diloco" and swarm.round_seconds:
-            target = int(min(samples_per_second * swarm.round_seconds, INT64_MAX))
+            target = paced_round_samples(samples_per_second, swarm.round_seconds)
             eta = next_round_time(now, swarm.round_seconds) - now
         losses = [r.loss for r in records if r.loss is not None]
         snapshot = SwarmSnapshot(

@@ -16,8 +16,9 @@ proportion to its samples.
 Rounds paced in seconds (`round_seconds` S, the coordinator's --round-seconds): a round falls due at every S seconds of
 the wall clock (next_round_time), the same grid on every peer, and each peer takes as many inner steps as its device
 fits in between: a GPU peer and a CPU peer share one schedule, each pseudo-gradient weighted by its samples. The grid
-being known ahead, a peer starts looking for its group a matchmaking time before the round is due (hivemind's
-scheduled step, OuterState.schedule_round), and the round's all-reduce starts with the group already formed.
+being known ahead, a peer starts looking for its group 1.5 matchmaking times before the round is due (hivemind's
+scheduled step, OuterState.schedule_round; group_time), and the round's all-reduce starts with the group already
+formed.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from hivetrain.config import SwarmConfig
 from hivetrain.hivemind_internals import HookedProgressTracker
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
-from hivetrain.record_guard import vetted
+from hivetrain.record_guard import INT64_MAX, vetted
 from hivetrain.swarm import RECORD_LIFETIME, read_records, withdraw_records
+from hivetrain.telemetry import bounded_sum
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,13 @@ def next_round_time(after: float, round_seconds: float) -> float:
     nothing to agree on, so a joiner falls into the swarm's schedule at once. Peers' clocks must agree to well within
     the matchmaking time, as hivemind's matchmaking itself assumes (NTP keeps them within milliseconds)."""
     return (math.floor(after / round_seconds) + 1) * round_seconds
+
+
+def paced_round_samples(samples_per_second: float, round_seconds: float) -> int:
+    """What a swarm training `samples_per_second` trains in a round paced every `round_seconds`: what the coordinator
+    shows as the round's target, and peers count a swarm epoch's samples by. Bounded to a storable integer, whatever
+    the rates that peers' records state."""
+    return int(min(samples_per_second * round_seconds, INT64_MAX))
 
 
 def group_time(round_time: float, matchmaking_time: float) -> float:
@@ -88,7 +97,7 @@ class RoundTracker(HookedProgressTracker):
         if self.round_seconds is not None and (rates := _training_rates(values)):
             # Rounds paced in seconds fall due by the clock (DiLoCoRounds.round_due); the target only says what the
             # swarm trains in a round, for the epoch's samples/s and hivemind's estimate of the next round's arrival
-            self.target_batch_size = max(1, int(self.round_seconds * min(sum(rates), 1e18)))
+            self.target_batch_size = max(1, paced_round_samples(bounded_sum(rates), self.round_seconds))
         return super().before_parsing_progress(metadata)
 
 
