@@ -64,12 +64,13 @@ def test_links_suite_smoke():
     result, section = smoke("links")
     [row] = result["results"]
     assert row["rate_mbit"] == 100
-    for kind in ("ddp", "sync", "diloco"):
+    for kind in ("ddp", "sync", "diloco", "diloco-overlapped"):
         assert row[kind]["samples_per_s"] > 0 and row[kind]["bytes_per_sample"] > 0, kind
     # DDP's gradients really crossed the veth: each step all-reduces ViT-Tiny's 5.4M float32 gradients between the
     # two namespaces, at least 5.4M x 4 bytes per 64 samples
     assert row["ddp"]["bytes_per_sample"] > 5.4e6 * 4 / 64 * 0.9
     assert section.startswith("## links") and "| 100 Mbit/s |" in section
+    assert "diloco-overlapped samples/s" in section and "with overlapped rounds keeps" in section
 
 
 def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
