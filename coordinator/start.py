@@ -309,7 +309,8 @@ def _run(args: argparse.Namespace) -> int:
         # Before anything is published or read: this node refuses records of the run's keys that no reader could use.
         guard_run_keys(dht, config.run_id)
         dht.run_coroutine(serve_dial_back)  # joiners ask whether the swarm can dial them (--client-mode auto)
-        return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir, metrics_server)
+        return _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir, metrics_server,
+                      authorizer)
     except (SwarmError, StoreError, CheckpointError, DatasetUnavailable, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -341,7 +342,8 @@ def _close(resource) -> None:
     resource.shutdown() if hasattr(resource, "shutdown") else resource.close()
 
 
-def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir, metrics_server) -> int:
+def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_dir, metrics_server,
+           authorizer) -> int:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
@@ -351,6 +353,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     from hivetrain.clock import EPOCHS_AHEAD, publish_clock
     from hivetrain.diloco import rounds_description
     from hivetrain.events import EventLog
+    from hivetrain.membership import check_callers, publish_membership
     from hivetrain.metrics_store import RunInfo
     from hivetrain.rollback import RollbackRecord, publish_rollback
     from hivetrain.run_record import RUN_RECORD_TTL, publish_run_config
@@ -377,6 +380,9 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         run_option = f" --run-id {config.run_id}" if args.run_id else ""
         print(f"Private run: each volunteer adds --token TOKEN, printed by\n  python coordinator/start.py issue-token"
               f" NAME --expires 7d{run_option}\n(revoke-token NAME{run_option} takes one back)", flush=True)
+    # A coordinator restarted on its store goes on from the epoch it last counted: its signed clock lapses in the swarm
+    # a minute after it stopped, and from 0 a lone peer's claim would never move the count (hivetrain.clock).
+    counted_before = writer.last_counted_epoch(config.run_id) or 0
     writer.set_run(RunInfo(run_id=config.run_id, preset=config.preset, fingerprint=config.fingerprint,
                            config_json=config.to_json(), join_command=command,
                            coordinator_peer_id=dht.peer_id.to_base58(), started=time.time()))
@@ -388,8 +394,10 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                                report=lambda line: print(line, flush=True))
     if wandb_run is not None:
         loggers.append(WandbScalars(wandb_run, step_metric="swarm/epoch"))
+    if authorizer is not None:  # a private run: its averagers answer the run's members only (hivetrain.membership)
+        check_callers(dht, config.run_id)
     holder = make_state_holder(dht, config, resume, device=torch.device(device), events=events)
-    monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=holder.epoch)
+    monitor = SwarmMonitor(dht, config, writer, loggers, start_epoch=max(holder.epoch, counted_before))
     # A state a volunteer serves is a claim like its progress records: bounded by the coordinator's own count.
     holder.bound_downloads(lambda: monitor.epoch + EPOCHS_AHEAD)
     stop = threading.Event()
@@ -434,6 +442,8 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                         refused, next_refusal_warning = 0, now + 60.0
                 for record in list(rollbacks):  # peers that were away, or joined since, still see the latest
                     publish_rollback(dht, record)
+                if authorizer is not None:  # the peers' averagers answer this coordinator's state holder
+                    publish_membership(dht, config.run_id, authorizer)
                 next_publish = now + RUN_RECORD_TTL / 3
             if revocations is not None:
                 revocations.poll()

@@ -12,7 +12,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator, Self, TextIO, TypeVar
+from typing import Iterator, Optional, Self, TextIO, TypeVar
 from urllib.parse import quote
 
 # 2: the peers' diloco figures (inner steps, pseudo-gradient norm, bytes per round); 3: their training and swarm time;
@@ -225,6 +225,15 @@ class MetricsWriter(_Closing):
                 self.connection.execute("ROLLBACK")
                 raise
             self.connection.execute("COMMIT")
+
+    def last_counted_epoch(self, run_id: str) -> Optional[int]:
+        """The swarm epoch of the last snapshot this store holds of run `run_id`, None when it holds none (a new store,
+        or another run's)."""
+        with self._lock:
+            run = self.connection.execute("SELECT run_id FROM run").fetchone()
+            if run is None or run[0] != run_id:
+                return None
+            return self.connection.execute("SELECT max(epoch) FROM snapshots").fetchone()[0]
 
     def set_run(self, info: RunInfo) -> None:
         """One row, replaced on every call: a restarted coordinator keeps the history in the other tables."""

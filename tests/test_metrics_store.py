@@ -79,6 +79,19 @@ def test_set_run_replaces_the_one_row(tmp_path):
         assert reader.connection.execute("SELECT count(*) FROM run").fetchone()[0] == 1
 
 
+def test_a_restarted_coordinator_finds_the_epoch_it_last_counted_for_its_own_run_only(tmp_path):
+    path = tmp_path / "metrics.sqlite"
+    with MetricsWriter(path) as writer:
+        assert writer.last_counted_epoch(RUN.run_id) is None  # a new store
+        writer.set_run(RUN)
+        assert writer.last_counted_epoch(RUN.run_id) is None  # no look yet
+        for time, epoch in ((10.0, 7), (20.0, 512), (30.0, 511)):
+            writer.add_snapshot(snapshot(time, epoch=epoch))
+    with MetricsWriter(path) as writer:
+        assert writer.last_counted_epoch(RUN.run_id) == 512
+        assert writer.last_counted_epoch("another-run") is None
+
+
 def test_upsert_keeps_first_seen_and_replaces_the_rest(tmp_path):
     path = tmp_path / "metrics.sqlite"
     with MetricsWriter(path) as writer:
