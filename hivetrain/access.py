@@ -43,6 +43,10 @@ def _payload(name: str, expires: int, holder: bytes) -> bytes:
     return b"hivetrain-access-2\n" + f"{name}\n{expires}\n".encode() + holder
 
 
+def _peer_payload(purpose: str, peer_id: bytes) -> bytes:
+    return b"hivetrain-peer-1\n" + purpose.encode() + b"\n" + peer_id
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
@@ -192,3 +196,29 @@ class RunAuthorizer(TokenAuthorizerBase):
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         # The coordinator renews its own grant; a volunteer's new grant comes from the coordinator, in a new token.
         return self.renew_with is not None and int(access_token.expiration_time) - time.time() < RENEW_BEFORE
+
+    def peer_proof(self, purpose: str, peer_id: bytes) -> dict:
+        """What shows that the libp2p peer `peer_id` acts for this grant's holder: the grant's fields and the holder's
+        signature of `purpose` and the peer ID. libp2p authenticates peer IDs, so a proof seen in the traffic is
+        worthless to any other peer.
+
+        Args:
+            purpose: what the proof is for (the run whose averagers the peer may call; a dial-back check): a proof
+                for one does not pass for another.
+            peer_id: the libp2p peer ID (PeerID.to_bytes()) that presents it.
+        """
+        token = AccessToken(username=self.grant.name, public_key=self.grant.holder,
+                            expiration_time=str(self.grant.expires), signature=self.grant.signature)
+        return dict(name=token.username, holder=token.public_key, expires=self.grant.expires,
+                    grant_signature=token.signature, proof=self.holder.sign(_peer_payload(purpose, peer_id)))
+
+    def is_peer_proof_valid(self, purpose: str, peer_id: bytes, proof: dict) -> bool:
+        """Whether `proof` (peer_proof's fields) shows that `peer_id` acts for a valid grant of this run: signed by
+        this peer's authority, unexpired, not revoked, and its holder signed `purpose` and `peer_id`."""
+        try:
+            token = AccessToken(username=proof["name"], public_key=proof["holder"],
+                                expiration_time=str(int(proof["expires"])), signature=proof["grant_signature"])
+            return self.is_token_valid(token) and RSAPublicKey.from_bytes(proof["holder"]).verify(
+                _peer_payload(purpose, peer_id), proof["proof"])
+        except Exception:  # a field of the wrong type, a key that does not load: no proof
+            return False

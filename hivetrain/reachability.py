@@ -10,6 +10,7 @@ one JSON line each on a libp2p stream.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Optional, Sequence
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from hivetrain.access import RunAuthorizer
 from hivetrain.hivemind_internals import dial
 from hivetrain.swarm import daemon_start_error
 
@@ -29,6 +31,7 @@ MAX_DIALS_AT_ONCE = 4
 MAX_QUEUED = 2 * MAX_DIALS_AT_ONCE  # checks dialling or waiting: at most two dials long (an asker waits 25 s)
 MAX_ADDRESSES = 8  # a peer's visible addresses: a few per interface
 MAX_CALLERS_REMEMBERED = 1024
+DIAL_BACK_PURPOSE = "dial-back"  # what a private run's asker proves its grant for (RunAuthorizer.peer_proof)
 
 
 @dataclass
@@ -44,9 +47,11 @@ class DialBackService:
     - each caller is dialled back at most once per CHECK_INTERVAL, and only the caller itself;
     - at most MAX_DIALS_AT_ONCE probes (a p2pd process each) run at once, and at most MAX_QUEUED checks wait;
     - the answer is reachable or not, never the dial's error, which told an asker what listens at any address the
-      coordinator can reach."""
+      coordinator can reach;
+    - in a private run, only an asker that shows a grant of the run for its own peer ID is dialled (`authorizer`)."""
 
-    def __init__(self):
+    def __init__(self, authorizer: Optional[RunAuthorizer] = None):
+        self.authorizer = authorizer  # a private run's RunAuthorizer: only a grant's holder is dialled back
         self.dials = asyncio.Semaphore(MAX_DIALS_AT_ONCE)
         self.queued = 0  # checks waiting for a probe: a coroutine each, no process
         self.last_check: dict[PeerID, float] = {}
@@ -59,10 +64,24 @@ class DialBackService:
         except Exception as e:  # a malformed request gets an answer too, never a crash
             answer = dict(reachable=None, error=f"bad request: {type(e).__name__}")
         else:
-            answer = self._refusal(stream_info.peer_id) or await self._check(stream_info.peer_id, maddrs)
+            answer = (self._no_grant(stream_info.peer_id, request) or self._refusal(stream_info.peer_id)
+                      or await self._check(stream_info.peer_id, maddrs))
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
         writer.close()
+
+    def _no_grant(self, caller: PeerID, request: dict) -> Optional[dict]:
+        """In a private run, the refusal of an asker that shows no grant of the run for its own peer ID."""
+        if self.authorizer is None:
+            return None
+        try:
+            grant = {field: base64.b64decode(value) if isinstance(value, str) and field != "name" else value
+                     for field, value in request["grant"].items()}
+        except Exception:  # no grant, or one that does not decode
+            grant = {}
+        if self.authorizer.is_peer_proof_valid(DIAL_BACK_PURPOSE, caller.to_bytes(), grant):
+            return None
+        return dict(reachable=None, error="this run is private: ask with a valid token")
 
     def _refusal(self, caller: PeerID) -> Optional[dict]:
         now = time.monotonic()
@@ -85,8 +104,11 @@ class DialBackService:
 
 
 async def serve_dial_back(dht, node) -> None:
-    """Run inside the coordinator's DHT process (DHT.run_coroutine): answer dial-back requests on its libp2p host."""
-    await node.p2p.add_binary_stream_handler(DIAL_BACK, DialBackService().handle)
+    """Run inside the coordinator's DHT process (DHT.run_coroutine): answer dial-back requests on its libp2p host; in
+    a private run, only those of a grant's holder (checked by the node's own authorizer, revocations included)."""
+    authorizer = node.protocol.authorizer
+    service = DialBackService(authorizer if isinstance(authorizer, RunAuthorizer) else None)
+    await node.p2p.add_binary_stream_handler(DIAL_BACK, service.handle)
 
 
 async def _dial(peer_id: PeerID, maddrs: list[Multiaddr]) -> bool:
@@ -104,12 +126,17 @@ async def _dial(peer_id: PeerID, maddrs: list[Multiaddr]) -> bool:
 
 
 async def _ask(initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-               timeout: float) -> Reachability:
+               timeout: float, authorizer=None) -> Reachability:
     probe = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs),
                              announce_maddrs=list(announce_maddrs) or None)
     try:
         maddrs = [str(m) for m in await probe.get_visible_maddrs()]
-        request = json.dumps(dict(peer_id=probe.peer_id.to_base58(), maddrs=maddrs)).encode() + b"\n"
+        asked = dict(peer_id=probe.peer_id.to_base58(), maddrs=maddrs)
+        if authorizer is not None:  # a private run: the probe (a peer ID of its own) acts for this peer's grant
+            asked["grant"] = {field: base64.b64encode(value).decode() if isinstance(value, bytes) else value
+                              for field, value in authorizer.peer_proof(DIAL_BACK_PURPOSE,
+                                                                        probe.peer_id.to_bytes()).items()}
+        request = json.dumps(asked).encode() + b"\n"
         problems = []
         for address in initial_peers:
             peer_id = PeerID.from_base58(str(address).rsplit("/p2p/", 1)[-1])
@@ -135,10 +162,11 @@ async def _ask(initial_peers: Sequence[str], host_maddrs: Sequence[str], announc
 
 
 def check_reachability(initial_peers: Sequence[str], host_maddrs: Sequence[str],
-                       announce_maddrs: Sequence[str] = (), timeout: float = 15.0) -> Reachability:
-    """Ask the initial peers (the coordinator) to dial a probe listening on `host_maddrs` back. Raises SwarmError when
-    none of them can be reached at all."""
+                       announce_maddrs: Sequence[str] = (), timeout: float = 15.0, authorizer=None) -> Reachability:
+    """Ask the initial peers (the coordinator) to dial a probe listening on `host_maddrs` back; in a private run with
+    this peer's `authorizer` (hivetrain.access.RunAuthorizer), which shows its grant. Raises SwarmError when none of
+    them can be reached at all."""
     try:
-        return asyncio.run(_ask(initial_peers, host_maddrs, announce_maddrs, timeout))
+        return asyncio.run(_ask(initial_peers, host_maddrs, announce_maddrs, timeout, authorizer))
     except P2PDaemonError as e:
         raise daemon_start_error(e, list(initial_peers)) from None

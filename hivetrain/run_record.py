@@ -26,6 +26,7 @@ from pydantic.v1 import BaseModel, StrictFloat, StrictStr
 
 from hivetrain.config import RunConfig
 from hivetrain.clock import clock_rules
+from hivetrain.membership import member_rules
 from hivetrain.record_guard import KeyRule, add_validators_once, guard_keys, signer_peer_id, warn_skipped
 from hivetrain.revocation import revocation_rules
 from hivetrain.rollback import rollback_rules
@@ -129,11 +130,11 @@ def fetch_run(dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: li
 
 def run_key_rules(run_id: str) -> list[KeyRule]:
     """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, the
-    coordinator's rollback record, clock and revocation list, and the state-sharing declarations and matchmaking key
+    coordinator's rollback record, clock and revocation list, the members' records, and the state-sharing declarations and matchmaking key
     of each of its averagers."""
     rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
              KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id),
-             *clock_rules(run_id), *revocation_rules(run_id)]
+             *clock_rules(run_id), *revocation_rules(run_id), *member_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
     # hivetrain.outer_state.outer_state_prefix, not imported (a joiner imports the training stack in another thread
     # while this runs; importing torch from both could deadlock), and tests/test_hostile_records.py checks the two

@@ -145,9 +145,11 @@ def _is_loopback_host(host: str) -> bool:
         return host == "localhost"
 
 
-def choose_client_mode(mode: str, initial_peers: list[str], host: str, port: int, announce: list[str]) -> bool:
+def choose_client_mode(mode: str, initial_peers: list[str], host: str, port: int, announce: list[str],
+                       authorizer=None) -> bool:
     """auto: a full peer when the coordinator can dial this machine back (the address it listens or announces on),
-    client mode otherwise: behind NAT or a firewall a peer can only dial out."""
+    client mode otherwise: behind NAT or a firewall a peer can only dial out. `authorizer`: this peer's grant in a
+    private run, whose coordinator dials back only a grant's holder."""
     if mode != "auto":
         return mode == "on"
     if _is_local_swarm(initial_peers):
@@ -156,7 +158,7 @@ def choose_client_mode(mode: str, initial_peers: list[str], host: str, port: int
     from hivetrain.swarm import listen_maddr
 
     print("Checking whether the swarm can dial this machine...", flush=True)
-    result = check_reachability(initial_peers, [listen_maddr(host, port)], announce)
+    result = check_reachability(initial_peers, [listen_maddr(host, port)], announce, authorizer=authorizer)
     if result.reachable is None:
         print(f"Reachability unknown: {result.detail}. Joining in client mode.", flush=True)
         return True
@@ -204,6 +206,7 @@ def _train_as_other_rank(args: argparse.Namespace, rank_setup: str) -> int:
 def _join(args: argparse.Namespace) -> int:
     from hivetrain.access import TOKEN_ENV, AccessGrant, RunAuthorizer
     from hivetrain.config import get_preset
+    from hivetrain.membership import MembershipPublisher, check_callers, publish_membership
     from hivetrain.revocation import RevocationWatcher
     from hivetrain.run_record import fetch_run
     from hivetrain.swarm import (
@@ -228,7 +231,8 @@ def _join(args: argparse.Namespace) -> int:
                                  f" coordinator for a new one")
             authorizer = RunAuthorizer(grant)
             args.name = args.name or grant.name
-        client_mode = choose_client_mode(args.client_mode, initial_peers, args.host, args.port, args.announce)
+        client_mode = choose_client_mode(args.client_mode, initial_peers, args.host, args.port, args.announce,
+                                         authorizer)
     except (SwarmError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -241,7 +245,7 @@ def _join(args: argparse.Namespace) -> int:
         use_auto_relay=args.auto_relay,
         authorizer=authorizer,
     )
-    dht = revocations = None
+    dht = revocations = membership = None
     training_stack = threading.Thread(target=_import_training_stack, name="import-training-stack", daemon=True)
     try:
         dht = start_dht(network, while_connecting=training_stack.start)
@@ -251,6 +255,10 @@ def _join(args: argparse.Namespace) -> int:
         config = run.config
         if authorizer is not None:  # a private run: this peer refuses, as the coordinator does, the revoked tokens
             revocations = RevocationWatcher(dht, config.run_id, run.signer).start()
+            # ...its averagers answer the run's members only, and it is one (hivetrain.membership)
+            check_callers(dht, config.run_id)
+            publish_membership(dht, config.run_id, authorizer)  # before its first request to an averager
+            membership = MembershipPublisher(dht, config.run_id, authorizer).start()
         if expected is not None:  # the run's name may differ; everything that shapes training may not
             expected = expected.replace(run_id=config.run_id)
         if expected is not None and expected.fingerprint != config.fingerprint:
@@ -270,8 +278,9 @@ def _join(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if revocations is not None:
-            revocations.stop()
+        for watcher in (revocations, membership):
+            if watcher is not None:
+                watcher.stop()
         if dht is not None:
             dht.shutdown()
 

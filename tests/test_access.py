@@ -3,14 +3,20 @@
 import asyncio
 import time
 
+import hivemind
 import pytest
-from hivemind.proto import dht_pb2
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2, dht_pb2
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import assert_clean_error, start_coordinator
 from hivetrain.access import AccessGrant, RunAuthorizer, issue_grant, load_key, parse_lifetime
+from hivetrain.membership import publish_membership
 from hivetrain.metrics_store import MetricsReader
+from test_baselines import free_port
 
 
 def _token_of(grant: AccessGrant, public_key: bytes | None = None) -> AccessToken:
@@ -114,3 +120,50 @@ def test_a_private_run_admits_token_holders_only(spawn, tmp_path):
     with MetricsReader(tmp_path / "coordinator" / "metrics.sqlite") as reader:
         assert [(row.name, row.samples) for row in reader.peers()] == [
             ("alice", int(alice.wait_for(r"contributed (\d+) samples", timeout=1).group(1)))]
+
+
+def test_a_private_runs_averagers_answer_its_members_only(spawn, tmp_path):
+    # hivemind's averagers answer anyone who reaches the port: a host with no token downloaded a private run's model
+    # straight from a volunteer. Now a volunteer's state goes to the run's members only.
+    authority = str(tmp_path / "authority.key")
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--require-token",
+                                               "--authority-key", authority, "--refresh", "1")
+    run_id = coordinator.wait_for(r"^Run (\S+): preset", timeout=1).group(1)
+    port, identity = free_port(), str(tmp_path / "alice.id")
+    alice = spawn("alice", "peers/join.py", "--host", "127.0.0.1", "--port", str(port), "--identity", identity,
+                  "--initial-peers", *addresses, "--threads", "1", "--client-mode", "off",
+                  "--token", issue_grant(load_key(tmp_path / "authority.key"), "alice", 3600).encode())
+    alice.wait_for(r"swarm epoch [1-9]\d* \|", timeout=180)  # she trained an epoch: her state averager serves her state
+    alice_id = PeerID.from_identity(open(identity, "rb").read())
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{alice_id.to_base58()}"
+    prefix = f"{run_id}_state_averager"
+
+    async def download(p2p: P2P) -> int:
+        """The messages of alice's answer to a state download: none when she refuses."""
+        stub = TrainingStateAverager.get_stub(p2p, alice_id, namespace=prefix)
+        return len([message async for message in await stub.rpc_download_state(averaging_pb2.DownloadRequest())])
+
+    async def as_outsider() -> int:
+        p2p = await P2P.create(initial_peers=[address])
+        try:
+            return await download(p2p)
+        finally:
+            await p2p.shutdown()
+
+    assert asyncio.run(as_outsider()) == 0
+    outsider_line = alice.wait_for(r"Refusing averaging requests from (\S+): no member record", timeout=30)
+    # A member asks the same: a host that holds a grant of the run and published its member record
+    member = RunAuthorizer(issue_grant(load_key(tmp_path / "authority.key"), "bob", 3600))
+    dht = hivemind.DHT(initial_peers=addresses, client_mode=True, authorizer=member, start=True,
+                       record_validators=[RSASignatureValidator()])  # its record signed, as a peer's
+    try:
+        assert publish_membership(dht, run_id, member)
+
+        async def as_member() -> int:
+            return await download(await dht.replicate_p2p())
+
+        assert asyncio.run(as_member()) > 0  # the metadata and every tensor's parts
+    finally:
+        dht.shutdown()
+    # the outsider's requests were refused with one line, not one per request
+    assert len([line for line in alice.lines if outsider_line.group(1) in line and "Refusing" in line]) == 1

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import psutil
 import pytest
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 
+from hivetrain.access import RunAuthorizer, issue_grant
 from hivetrain.reachability import CHECK_INTERVAL, DIAL_BACK, MAX_DIALS_AT_ONCE, MAX_QUEUED, check_reachability, \
     serve_dial_back
 from hivetrain.swarm import DHTOptions, start_dht
@@ -105,3 +107,25 @@ def test_an_initial_peer_that_cannot_answer_leaves_it_unknown():
     finally:
         plain.shutdown()
     assert result.reachable is None and "no initial peer answered" in result.detail, result.detail
+
+
+def test_a_private_run_dials_back_only_a_grant_holder(tmp_path):
+    # A coordinator anyone can reach must not be a free dialler for hosts outside its private run.
+    authority = RSAPrivateKey()
+    own = RSAPrivateKey()
+    coordinator_grant = issue_grant(authority, "coordinator", 3600, holder=own, with_key=False)
+    dht = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                               authorizer=RunAuthorizer(coordinator_grant, holder=own)))
+    try:
+        dht.run_coroutine(serve_dial_back)
+        addresses = [str(a) for a in dht.get_visible_maddrs()]
+        nobody = check_reachability(addresses, ["/ip4/127.0.0.1/tcp/0"])
+        assert nobody.reachable is None and "private" in nobody.detail, nobody.detail
+        foreign = RunAuthorizer(issue_grant(RSAPrivateKey(), "eve", 3600))
+        refused = check_reachability(addresses, ["/ip4/127.0.0.1/tcp/0"], authorizer=foreign)
+        assert refused.reachable is None and "private" in refused.detail, refused.detail
+        alice = RunAuthorizer(issue_grant(authority, "alice", 3600))
+        result = check_reachability(addresses, ["/ip4/127.0.0.1/tcp/0"], authorizer=alice)
+        assert result.reachable is True, result.detail
+    finally:
+        dht.shutdown()

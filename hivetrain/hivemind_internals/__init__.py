@@ -10,7 +10,8 @@ No module outside this package touches hivemind's private names (tests/test_hive
 
   runtime    tensor serialisation and command pipes (patched at import), hivemind's log handler, a direct dial
   records    progress records (a hooked tracker, a peer's own record) and signed records (formats, keys, signing)
-  averaging  robust aggregation inside the all-reduce, RPC names, state servers and vetted state downloads
+  averaging  robust aggregation inside the all-reduce, RPC names, state servers, vetted state downloads, and RPCs
+             answered only for a private run's members
   optimizer  hivemind.Optimizer's factories and scheduling (PatchedOptimizer), a state averager's schedule
 
 """
@@ -42,9 +43,10 @@ from hivetrain.hivemind_internals.records import (HookedProgressTracker, SIGNATU
                                                   rsa_key_from_der, sign_records_with, signature_checker,
                                                   write_identity)  # noqa: E402
 from hivetrain.hivemind_internals.averaging import (BoundedDownloads, BoundedStateAverager, JoinsStateServer,
-                                                    MIN_ROBUST_GROUP_SIZE, PartCopies, RobustAllReduceRunner,
-                                                    RobustAveraging, RobustPartReducer, STATE_BYTES_FACTOR,
-                                                    STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT, named_for_rpc_as,
+                                                    MIN_ROBUST_GROUP_SIZE, MembersOnly, PartCopies,
+                                                    RobustAllReduceRunner, RobustAveraging, RobustPartReducer,
+                                                    STATE_BYTES_FACTOR, STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT,
+                                                    members_only_class, named_for_rpc_as,
                                                     robust_averager_class)  # noqa: E402
 from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_schedule  # noqa: E402
 
@@ -53,7 +55,7 @@ __all__ = [
     "hivemind_log_handler", "is_averager_cut_short", "HookedProgressTracker", "SIGNATURE_RE", "SIGNED_SUBKEY_RE",
     "announce_and_count_peers", "identity_key", "progress_subkey", "rsa_key_from_der", "sign_records_with",
     "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager", "JoinsStateServer",
-    "MIN_ROBUST_GROUP_SIZE", "PartCopies", "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer",
-    "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "STATE_SERVER_JOIN_TIMEOUT", "named_for_rpc_as",
-    "robust_averager_class", "PatchedOptimizer", "catch_up_schedule",
+    "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies", "RobustAllReduceRunner", "RobustAveraging",
+    "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "STATE_SERVER_JOIN_TIMEOUT", "members_only_class",
+    "named_for_rpc_as", "robust_averager_class", "PatchedOptimizer", "catch_up_schedule",
 ]

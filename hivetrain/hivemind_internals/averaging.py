@@ -8,7 +8,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import hivemind
 import hivemind.averaging.averager
@@ -18,7 +18,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
@@ -31,6 +31,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 # this many bytes; a holder sending more is skipped before its tensors are deserialised.
 STATE_BYTES_FACTOR, STATE_BYTES_SLACK = 4, 1 << 16
 STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the state download it is answering
+ADMITTED_FOR = 10.0  # seconds an averager answers a caller its DHT process admitted without asking again
 logger = logging.getLogger(__name__)
 
 
@@ -154,16 +155,101 @@ class JoinsStateServer(hivemind.averaging.averager.DecentralizedAverager):
                 thread.join(STATE_SERVER_JOIN_TIMEOUT)
 
 
+class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager whose RPCs (join requests, parts of an all-reduce, state downloads) answer only the
+    callers that `caller_check` admits: a coroutine function run in the DHT's process as
+    `caller_check(peer_id_bytes, dht, node)` (hivetrain.membership.is_member, set by hivetrain.membership.check_callers
+    in a private run before the averagers fork). hivemind answers anyone who reaches the port. A caller turned away
+    gets hivemind's refusal (a join: not looking for a group; a part: a protocol violation; a download: no state), and
+    one warning a minute. With no check set (a public run), everyone is answered, as in hivemind."""
+
+    caller_check: Optional[Callable[..., Any]] = None
+
+    async def _admits(self, context: P2PContext) -> bool:
+        if self.caller_check is None:
+            return True
+        admitted = self.__dict__.setdefault("_admitted_until", {})  # in the averager's process, where RPCs run
+        now, caller = time.monotonic(), context.remote_id
+        if admitted.get(caller, 0.0) > now:
+            return True
+        try:
+            allowed = await self.dht.run_coroutine(functools.partial(self.caller_check, caller.to_bytes()),
+                                                   return_future=True)
+        except Exception as e:  # the DHT is shutting down: nobody
+            logger.debug(f"Could not check caller {caller}: {type(e).__name__}: {e}")
+            allowed = False
+        if allowed:
+            if len(admitted) >= 4096:
+                admitted.clear()
+            admitted[caller] = now + ADMITTED_FOR
+        else:
+            _warn_refused(caller)
+        return allowed
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._admits(context):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._admits(context):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._admits(context):
+            return  # as hivemind's refusal: the downloader asks the next holder
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+
+def _warn_refused(caller: PeerID) -> None:
+    now = time.monotonic()
+    if now >= _refused_warned.get(caller, 0.0):
+        if len(_refused_warned) >= 4096:
+            _refused_warned.clear()
+        _refused_warned[caller] = now + 60.0
+        logger.warning(f"Refusing averaging requests from {caller}: no member record of this private run vouches"
+                       f" for it")
+
+
+_refused_warned: dict = {}
+
+
+def _missing_mixins(averager_class: type) -> tuple[type, ...]:
+    """The mixins every averager of ours has (MembersOnly, JoinsStateServer) that `averager_class` lacks."""
+    return tuple(mixin for mixin in (MembersOnly, JoinsStateServer) if not issubclass(averager_class, mixin))
+
+
 @functools.cache
 def robust_averager_class(averager_class: type) -> type:
-    """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging mixed in, under its name (RPC)."""
-    joins = () if issubclass(averager_class, JoinsStateServer) else (JoinsStateServer,)
+    """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging and the mixins every averager of ours
+    has mixed in, under its name (RPC)."""
     return named_for_rpc_as(averager_class)(type(
-        f"Robust{averager_class.__name__}", (RobustAveraging, *joins, averager_class),
+        f"Robust{averager_class.__name__}", (RobustAveraging, *_missing_mixins(averager_class), averager_class),
         {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))
 
 
-class BoundedDownloads(JoinsStateServer):
+@functools.cache
+def members_only_class(averager_class: type) -> type:
+    """`averager_class` (a DecentralizedAverager subclass) with the mixins every averager of ours has (MembersOnly,
+    JoinsStateServer) mixed in, under its name (RPC); itself when it has them."""
+    mixins = _missing_mixins(averager_class)
+    if not mixins:
+        return averager_class
+    return named_for_rpc_as(averager_class)(type(
+        f"MembersOnly{averager_class.__name__}", (*mixins, averager_class),
+        {"__module__": __name__, "__qualname__": f"members_only_class.{averager_class.__name__}"}))
+
+
+class BoundedDownloads(MembersOnly, JoinsStateServer):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
     process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
     beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than

@@ -11,7 +11,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from hivetrain.hivemind_internals.averaging import BoundedStateAverager, robust_averager_class
+from hivetrain.hivemind_internals.averaging import (BoundedStateAverager, members_only_class,
+                                                    robust_averager_class)
 from hivetrain.hivemind_internals.records import HookedProgressTracker
 
 
@@ -74,6 +75,8 @@ class PatchedOptimizer(hivemind.Optimizer):
         if self.aggregation is not None:
             factory = functools.partial(robust_averager_class(factory or GradientAverager),
                                         aggregation=self.aggregation)
+        else:  # answers only a private run's members (MembersOnly), as every averager of ours
+            factory = members_only_class(factory or GradientAverager)
         return super()._make_gradient_averager(factory, **kwargs)
 
     # A peer alone steps every few batches. hivemind pre-schedules an averaging round before each of those steps and
