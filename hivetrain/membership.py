@@ -29,6 +29,7 @@ from pydantic.v1 import BaseModel, StrictFloat, StrictStr, conbytes, conint, con
 from hivetrain.access import RunAuthorizer
 from hivetrain.clock import RecordWatcher
 from hivetrain.hivemind_internals import MembersOnly
+from hivetrain.hivemind_internals.dht import node_authorizer
 from hivetrain.record_guard import INT64_MAX, KeyRule, guard_keys, usable_entries
 from hivetrain.swarm import DHT_READ_TIMEOUT
 
@@ -124,7 +125,7 @@ async def _admit_members_of(run_id: str, _dht: hivemind.DHT, node) -> None:
 async def is_member(peer_id: bytes, _dht: hivemind.DHT, node) -> bool:
     """In the DHT's process (DHT.run_coroutine): whether the peer `peer_id` may call this peer's averagers. In a public
     run, anyone may; in a private run, a member of the run named by check_callers, and nobody before it was named."""
-    authorizer = node.protocol.authorizer
+    authorizer = node_authorizer(node)
     if not isinstance(authorizer, RunAuthorizer):
         return True
     members = _member_lists.get(id(node))

@@ -21,6 +21,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from hivetrain.access import RunAuthorizer
 from hivetrain.hivemind_internals import dial
+from hivetrain.hivemind_internals.dht import node_authorizer
 from hivetrain.swarm import daemon_start_error
 
 DIAL_BACK = "hivetrain.dial_back"
@@ -106,7 +107,7 @@ class DialBackService:
 async def serve_dial_back(dht, node) -> None:
     """Run inside the coordinator's DHT process (DHT.run_coroutine): answer dial-back requests on its libp2p host; in
     a private run, only those of a grant's holder (checked by the node's own authorizer, revocations included)."""
-    authorizer = node.protocol.authorizer
+    authorizer = node_authorizer(node)
     service = DialBackService(authorizer if isinstance(authorizer, RunAuthorizer) else None)
     await node.p2p.add_binary_stream_handler(DIAL_BACK, service.handle)
 

@@ -1,5 +1,5 @@
-"""Every record a role reads from the DHT is untrusted input: this module vets them, and is the one place where
-HiveTrain reaches into hivemind's internals to do so.
+"""Every record a role reads from the DHT is untrusted input: this module vets them (reaching into the DHT node's
+storage through hivetrain.hivemind_internals.dht).
 
 Anyone who can reach one peer of a run can store anything under any key, and hivemind 1.1.12 leaves these doors open:
 
@@ -49,9 +49,6 @@ from typing import Any, Callable, Optional
 
 import hivemind
 from cryptography.hazmat.primitives import serialization
-from hivemind.dht.protocol import DHTProtocol
-from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.p2p import PeerID
@@ -61,6 +58,7 @@ from pydantic.v1 import BaseModel
 
 from hivetrain.hivemind_internals import (SIGNATURE_RE, SIGNED_SUBKEY_RE, HookedProgressTracker, progress_subkey,
                                           signature_checker)
+from hivetrain.hivemind_internals.dht import RESERVED_SUBKEYS, drop_held_records, key_id, node_validator
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +203,7 @@ class KeyRule:
 
     def problem(self, record: DHTRecord, now: float) -> Optional[tuple[str, str]]:
         """Why `record` cannot be used, as (reason, detail), or None when it can."""
-        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+        if record.subkey in RESERVED_SUBKEYS:
             return "a plain value where per-peer entries belong", ""
         if len(record.value) > MAX_RECORD_BYTES:
             return "too large", f"{len(record.value)} bytes"
@@ -262,7 +260,7 @@ class RecordGuard(RecordValidatorBase):
     record another node returns to it; keys without a rule pass."""
 
     def __init__(self, rules: list[KeyRule]):
-        self.rules = {DHTID.generate(source=rule.key).to_bytes(): rule for rule in rules}
+        self.rules = {key_id(rule.key): rule for rule in rules}
 
     def validate(self, record: DHTRecord) -> bool:
         rule = self.rules.get(record.key)
@@ -311,7 +309,7 @@ def guard_keys(dht: hivemind.DHT, rules: list[KeyRule], timeout: float = 10.0) -
         return 0
     dht.add_validators([RecordGuard(rules)])
     _added.setdefault(dht, set()).update(f"guard {rule.key}" for rule in rules)
-    key_ids = [DHTID.generate(source=rule.key).to_bytes() for rule in rules]
+    key_ids = [key_id(rule.key) for rule in rules]
     try:
         return dht.run_coroutine(partial(_drop_refused_records, key_ids), return_future=True).result(timeout=timeout)
     except Exception as e:  # the DHT is shutting down: nothing left to protect
@@ -322,9 +320,8 @@ def guard_keys(dht: hivemind.DHT, rules: list[KeyRule], timeout: float = 10.0) -
 async def _drop_refused_records(key_ids: list[bytes], _dht: hivemind.DHT, node) -> int:
     """Inside the DHT's process: re-validate what the node holds under `key_ids` with its current validators, and
     remove what they refuse. A node serves its own storage to its own reads unchecked, and hands it on to the nodes it
-    meets; and a dictionary keeps the expiration of its latest entry, so a far-future one is removed by rebuilding
-    the dictionary without it."""
-    validator, dropped = node.protocol.record_validator, 0
+    meets."""
+    validator = node_validator(node)
 
     def valid(record: DHTRecord) -> bool:
         try:
@@ -332,28 +329,7 @@ async def _drop_refused_records(key_ids: list[bytes], _dht: hivemind.DHT, node) 
         except Exception:  # a validator choking on the record: it cannot be used either
             return False
 
-    for key_bytes in key_ids:
-        key_id = DHTID.from_bytes(key_bytes)
-        for storage in (node.protocol.storage, node.protocol.cache):
-            held = storage.get(key_id)
-            if held is None:
-                continue
-            if not isinstance(held.value, DictionaryDHTValue):
-                if not valid(DHTRecord(key_bytes, DHTProtocol.IS_REGULAR_VALUE, held.value, held.expiration_time)):
-                    del storage[key_id]
-                    dropped += 1
-                continue
-            kept = DictionaryDHTValue()
-            entries = list(held.value.items())
-            for subkey, (value, expiration_time) in entries:
-                if valid(DHTRecord(key_bytes, DHTProtocol.serializer.dumps(subkey), value, expiration_time)):
-                    kept.store(subkey, value, expiration_time)
-            if len(kept) < len(entries):
-                dropped += len(entries) - len(kept)
-                del storage[key_id]
-                if len(kept):
-                    storage.store(key_id, kept, kept.latest_expiration_time)
-    return dropped
+    return drop_held_records(node, key_ids, valid)
 
 
 def usable_progress(key: str, metadata: Any, epoch_bound: Optional[int] = None, own: Optional[bytes] = None) -> dict:

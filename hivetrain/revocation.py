@@ -27,6 +27,7 @@ from pydantic.v1 import BaseModel, StrictFloat, StrictStr, conbytes, conlist
 
 from hivetrain.access import FINGERPRINT_BYTES, RunAuthorizer
 from hivetrain.clock import RecordWatcher
+from hivetrain.hivemind_internals.dht import node_authorizer
 from hivetrain.record_guard import KeyRule, guard_keys, signer_peer_id, warn_skipped
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
 
@@ -121,7 +122,7 @@ def read_revocations(dht: hivemind.DHT, run_id: str, coordinator_key: bytes, for
 
 async def _set_revoked(holders: frozenset[bytes], _dht: hivemind.DHT, node) -> bool:
     """Inside the DHT's process, where hivemind runs the authorizer: hand it the revoked holders."""
-    authorizer = node.protocol.authorizer
+    authorizer = node_authorizer(node)
     if not isinstance(authorizer, RunAuthorizer):
         return False
     authorizer.set_revoked(holders)

@@ -26,6 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic.v1 import BaseModel
 
 from hivetrain.hivemind_internals import hivemind_log_handler, is_averager_cut_short, progress_subkey
+from hivetrain.hivemind_internals.dht import ping, routing_table_peers
 from hivetrain.record_guard import usable_entries
 
 logger = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ async def _reconnect(maddrs: list[str], dht: hivemind.DHT, node) -> int:
     would otherwise never find each other again (their averaging and progress keys would no longer meet). The P2P
     daemon keeps the addresses of peers it was connected to and dials them itself. Returns how many came back."""
     now = time.monotonic()
-    in_table = set(node.protocol.routing_table.peer_id_to_uid)
+    in_table = routing_table_peers(node)
     _seen_peers.update({peer_id: now for peer_id in in_table})
     for peer_id, seen in list(_seen_peers.items()):
         if now - seen > FORGET_PEERS_AFTER:
@@ -330,8 +331,8 @@ async def _reconnect(maddrs: list[str], dht: hivemind.DHT, node) -> int:
     initial = [PeerID.from_base58(Multiaddr(maddr)["p2p"]) for maddr in maddrs]
     targets = {peer_id for peer_id in initial if peer_id not in connected}
     targets |= {peer_id for peer_id in _seen_peers if peer_id not in in_table and peer_id != node.peer_id}
-    answers = await asyncio.gather(*(node.protocol.call_ping(peer_id) for peer_id in targets), return_exceptions=True)
-    return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
+    answers = await asyncio.gather(*(ping(node, peer_id) for peer_id in targets), return_exceptions=True)
+    return sum(1 for answer in answers if answer is True)
 
 
 class StayConnected(threading.Thread):

@@ -102,6 +102,35 @@ def test_no_module_but_hivemind_internals_touches_hivemind_privates():
     assert offenders == [], "hivemind privates outside hivetrain/hivemind_internals/"
 
 
+# hivemind's DHT internals: a node's protocol object (its storage, cache, routing table, pings, validator and
+# authorizer) and the modules that define what it holds. Public names, but no API: they belong with the privates.
+DHT_INTERNAL_MODULES = ("hivemind.dht.protocol", "hivemind.dht.storage", "hivemind.dht.routing")
+
+
+def _dht_internals_used(tree: ast.AST) -> set[str]:
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "protocol" and isinstance(node.value, ast.Name) \
+                and node.value.id == "node":
+            used.add("node.protocol")
+        elif isinstance(node, ast.ImportFrom) and node.module in DHT_INTERNAL_MODULES:
+            used.add(node.module)
+        elif isinstance(node, ast.Import):
+            used |= {alias.name for alias in node.names if alias.name in DHT_INTERNAL_MODULES}
+    return used
+
+
+def test_no_module_but_hivemind_internals_reaches_into_a_dht_node():
+    ours = [path for path in _sources(*(ROOT / package for package in PACKAGES), ROOT / "benchmarks")
+            if INTERNALS not in path.resolve().parents]
+    # the check finds what the internals package does: an empty set would make it pass for nothing
+    assert {"node.protocol", *DHT_INTERNAL_MODULES} <= set().union(
+        *(_dht_internals_used(ast.parse(path.read_text())) for path in _sources(INTERNALS)))
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in ours
+                 for name in sorted(_dht_internals_used(ast.parse(path.read_text())))]
+    assert offenders == [], "a DHT node's internals outside hivetrain/hivemind_internals/"
+
+
 def test_a_dht_survives_many_large_stores_at_once():
     """Stores over 16 KiB travel to the DHT process in two writes; its command pipe must stay blocking so that a read
     between them waits for the rest instead of failing and killing the DHT."""

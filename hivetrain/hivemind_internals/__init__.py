@@ -13,6 +13,8 @@ No module outside this package touches hivemind's private names (tests/test_hive
   averaging  robust aggregation inside the all-reduce, RPC names, state servers, vetted state downloads, and RPCs
              answered only for a private run's members
   optimizer  hivemind.Optimizer's factories and scheduling (PatchedOptimizer), a state averager's schedule
+  dht        inside a DHT node (in its own process): key IDs, its storage and cache, routing table, pings, validator
+             and authorizer
 
 """
 
