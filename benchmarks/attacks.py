@@ -81,25 +81,28 @@ def attack_diloco(attack: Contribution) -> None:
 
 
 def attack_sync(attack: Contribution) -> None:
-    """Replace the gradients a sync peer loads into hivemind's gradient averager before each all-reduce."""
+    """Replace the gradients a sync peer loads into its gradient averager before each all-reduce: the optimizer builds
+    an attacker's averager (PatchedOptimizer.gradient_averager_class), answering under hivemind's name."""
     from hivemind.optim.grad_averager import GradientAverager
 
-    honest_load = GradientAverager.load_accumulators_into_averager_
+    from hivetrain.hivemind_internals import PatchedOptimizer, named_for_rpc_as
 
-    loads = [0]
+    @named_for_rpc_as(GradientAverager)
+    class AttackedGradientAverager(GradientAverager):
+        loads = 0
 
-    @torch.no_grad()
-    def attacked_load(self) -> None:
-        honest_load(self)
-        loads[0] += 1
-        if loads[0] <= attack.from_round:  # one load per swarm epoch: honest for the first ones
-            return
-        with self.get_tensors() as averaged:
-            for tensor, replaced in zip(averaged, attack([t.clone() for t in averaged])):
-                tensor.copy_(replaced)
-        _say(attack, "gradients")
+        @torch.no_grad()
+        def load_accumulators_into_averager_(self) -> None:
+            super().load_accumulators_into_averager_()
+            self.loads += 1
+            if self.loads <= attack.from_round:  # one load per swarm epoch: honest for the first ones
+                return
+            with self.get_tensors() as averaged:
+                for tensor, replaced in zip(averaged, attack([t.clone() for t in averaged])):
+                    tensor.copy_(replaced)
+            _say(attack, "gradients")
 
-    GradientAverager.load_accumulators_into_averager_ = attacked_load
+    PatchedOptimizer.gradient_averager_class = AttackedGradientAverager
 
 
 def main(argv: Sequence[str], join_main: Callable[[list[str]], int]) -> int:

@@ -93,16 +93,21 @@ def test_the_sync_attack_replaces_the_gradients_a_peer_loads_for_averaging(monke
     from hivemind.optim.grad_averager import GradientAverager
 
     from benchmarks.attacks import attack_sync
+    from hivetrain.hivemind_internals import PatchedOptimizer
     from hivetrain.swarm import DHTOptions, start_dht
 
-    # attack_sync patches hivemind's class for the whole process, as in the attacker's: undone after this test
-    monkeypatch.setattr(GradientAverager, "load_accumulators_into_averager_",
-                        GradientAverager.load_accumulators_into_averager_)
+    # attack_sync sets the optimizer's gradient averager class for the whole process, as in the attacker's: undone
+    # after this test. hivemind's own class is left as it is.
+    monkeypatch.setattr(PatchedOptimizer, "gradient_averager_class", PatchedOptimizer.gradient_averager_class)
+    honest_load = GradientAverager.load_accumulators_into_averager_
     attack_sync(Contribution("scale:-10"))
+    assert GradientAverager.load_accumulators_into_averager_ is honest_load
+    attacker_class = PatchedOptimizer.gradient_averager_class
+    assert attacker_class.__name__ == "GradientAverager"  # the honest peers average with it under hivemind's name
     dht = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     parameter = torch.nn.Parameter(torch.zeros(6))
     parameter.grad = torch.arange(6.0)
-    averager = GradientAverager([parameter], dht=dht, prefix="attack_sync_test", start=True)
+    averager = attacker_class([parameter], dht=dht, prefix="attack_sync_test", start=True)
     try:
         averager.accumulate_grads_(batch_size=4)
         averager.load_accumulators_into_averager_()

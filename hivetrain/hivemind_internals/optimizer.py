@@ -41,6 +41,9 @@ class PatchedOptimizer(hivemind.Optimizer):
     """
 
     tracker_class: type[ProgressTracker] = HookedProgressTracker
+    # hivemind's GradientAverager, or a subclass of it under its name (named_for_rpc_as): an attacker's, in
+    # benchmarks/attacks.py
+    gradient_averager_class: type[GradientAverager] = GradientAverager
     missed_round = False
 
     def __init__(self, *args, aggregation: Any = None, **kwargs):
@@ -73,10 +76,10 @@ class PatchedOptimizer(hivemind.Optimizer):
         for name in ("request_timeout", "target_group_size", "initial_group_bits"):
             kwargs.setdefault(name, self.state_averager.matchmaking_kwargs[name])
         if self.aggregation is not None:
-            factory = functools.partial(robust_averager_class(factory or GradientAverager),
+            factory = functools.partial(robust_averager_class(factory or self.gradient_averager_class),
                                         aggregation=self.aggregation)
         else:  # answers only a private run's members (MembersOnly), as every averager of ours
-            factory = members_only_class(factory or GradientAverager)
+            factory = members_only_class(factory or self.gradient_averager_class)
         return super()._make_gradient_averager(factory, **kwargs)
 
     # A peer alone steps every few batches. hivemind pre-schedules an averaging round before each of those steps and
