@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shlex
 import sys
 import threading
 import time
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     net.add_argument("--authority-key", default=None, metavar="FILE",
                      help="the key that signs the run's tokens (default: ~/.cache/hivetrain/<run-id>/authority.key;"
                           " created on first use)")
+    net.add_argument("--package-source", default=None, metavar="PIP_SOURCE",
+                     help="where volunteers install HiveTrain from: a git+https:// address, a wheel's URL or path, or a"
+                          " package name; printed as a pip line and as the notebook's HIVETRAIN_SOURCE beside the"
+                          " join command")
     swarm = parser.add_argument_group("swarm settings (published to every peer; default: the preset's)")
     swarm.add_argument("--mode", choices=SWARM_MODES, default=None,
                        help="sync: gradients averaged every swarm step; diloco: each peer takes --inner-steps steps of"
@@ -76,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="seconds a peer waits for others to form an averaging group")
     swarm.add_argument("--target-group-size", type=int, default=None, metavar="G",
                        help="average in groups of at most G peers, formed anew every round (Moshpit), instead of one"
-                            " group of every peer; either mode (see the README on picking G)")
+                            " group of every peer; either mode (see docs/run.md on picking G)")
     swarm.add_argument("--grad-compression", choices=COMPRESSIONS, default=None,
                        help="how gradients travel when peers average them")
     swarm.add_argument("--state-compression", choices=COMPRESSIONS, default=None,
@@ -374,6 +379,9 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         print("Only loopback addresses exist: volunteers can join from this machine only"
               " (use --host 0.0.0.0, or --announce with your public address).", flush=True)
     print(f"To join, run:\n  {command}", flush=True)
+    if args.package_source:  # a volunteer's machine has no clone: pip installs HiveTrain first
+        print(f"Volunteers install HiveTrain first with\n  pip install {shlex.quote(args.package_source)}\n(in the"
+              f" notebook, peers/volunteer.ipynb: HIVETRAIN_SOURCE = {args.package_source!r})", flush=True)
     events = EventLog(args.events)
     events("serving", run_id=config.run_id, initial_peers=addresses, metrics_url=metrics_server and metrics_server.url)
     if args.require_token:

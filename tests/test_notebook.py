@@ -29,7 +29,11 @@ def _text(notebook: nbformat.NotebookNode) -> str:
 
 
 def test_notebook_joins_the_run(spawn, tmp_path):
-    _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo")
+    source = "git+https://example.org/hivetrain.git@v1"
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--package-source", source)
+    # what a volunteer's fresh machine installs, as a pip line and as the notebook's first cell takes it
+    coordinator.wait_for(rf"^  pip install {source}$", timeout=5)
+    coordinator.wait_for(rf"HIVETRAIN_SOURCE = '{source}'\)$", timeout=5)
     # Options pasted with the command reach the peer (a private run's --token did not: the notebook kept only the
     # addresses); here --stop-at-epoch, without which the peer would train on.
     join_command = "python peers/join.py --initial-peers " + " ".join(addresses) + " --stop-at-epoch 3"
