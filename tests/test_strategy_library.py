@@ -1,4 +1,4 @@
-"""HivemindStrategy as a library piece: anyone's LightningModule, as the README shows it."""
+"""HivemindStrategy as a library piece: anyone's LightningModule, as the library guide (docs/library.md) shows it."""
 
 import os
 import re
@@ -16,21 +16,22 @@ from hivetrain.swarm_optimizer import wrap_optimizer
 from hivetrain.swarm import start_dht
 
 ROOT = Path(__file__).resolve().parent.parent
-README_SECTION = "## Your own LightningModule in a swarm"
+GUIDE = "docs/library.md"
+GUIDE_SECTION = "## Your own LightningModule in a swarm"
 
 
 def _readme_example() -> str:
-    """The first Python block of the README's section on bringing your own LightningModule."""
-    readme = (ROOT / "README.md").read_text()
-    assert README_SECTION in readme, f"README.md has no section {README_SECTION!r}"
-    section = readme.split(README_SECTION, 1)[1]
+    """The first Python block of the library guide's section on bringing your own LightningModule."""
+    guide = (ROOT / GUIDE).read_text()
+    assert GUIDE_SECTION in guide, f"{GUIDE} has no section {GUIDE_SECTION!r}"
+    section = guide.split(GUIDE_SECTION, 1)[1]
     match = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert match is not None, f"no Python block under {README_SECTION!r}"
+    assert match is not None, f"no Python block under {GUIDE_SECTION!r}"
     return match.group(1)
 
 
 def test_readme_example_trains_in_a_swarm(tmp_path):
-    """The README's example runs as written, in a fresh process, and takes every step it asks for."""
+    """The guide's example runs as written, in a fresh process, and takes every step it asks for."""
     script = tmp_path / "example.py"
     script.write_text(_readme_example() + "\nprint(f'trained {trainer.global_step} steps')\n")
     env = {key: value for key, value in os.environ.items() if key != "HIVETRAIN_INITIAL_PEERS"}  # a swarm of its own
