@@ -1,6 +1,8 @@
 """The volunteer notebook (peers/volunteer.ipynb), executed cell by cell with nbclient against a loopback coordinator,
 as a Colab or Kaggle user would run it."""
 
+import re
+
 import nbformat
 import pytest
 from nbclient import NotebookClient
@@ -32,8 +34,8 @@ def test_notebook_joins_the_run(spawn, tmp_path):
     source = "git+https://example.org/hivetrain.git@v1"
     coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--package-source", source)
     # what a volunteer's fresh machine installs, as a pip line and as the notebook's first cell takes it
-    coordinator.wait_for(rf"^  pip install {source}$", timeout=5)
-    coordinator.wait_for(rf"HIVETRAIN_SOURCE = '{source}'\)$", timeout=5)
+    coordinator.wait_for(rf"^  pip install {re.escape(source)}$", timeout=5)
+    coordinator.wait_for(rf"HIVETRAIN_SOURCE = '{re.escape(source)}'\)$", timeout=5)
     # Options pasted with the command reach the peer (a private run's --token did not: the notebook kept only the
     # addresses); here --stop-at-epoch, without which the peer would train on.
     join_command = "python peers/join.py --initial-peers " + " ".join(addresses) + " --stop-at-epoch 3"
