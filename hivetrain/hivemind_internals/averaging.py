@@ -228,13 +228,19 @@ def _missing_mixins(averager_class: type) -> tuple[type, ...]:
     return tuple(mixin for mixin in (MembersOnly, JoinsStateServer) if not issubclass(averager_class, mixin))
 
 
+def _subclass_under_its_name(maker: str, averager_class: type, mixins: tuple[type, ...]) -> type:
+    """`averager_class` with `mixins` first among its bases, answering under its name (RPC); `maker` names the
+    function that made it (its qualified name)."""
+    return named_for_rpc_as(averager_class)(type(averager_class.__name__, (*mixins, averager_class), {
+        "__module__": __name__, "__qualname__": f"{maker}.{averager_class.__name__}"}))
+
+
 @functools.cache
 def robust_averager_class(averager_class: type) -> type:
     """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging and the mixins every averager of ours
     has mixed in, under its name (RPC)."""
-    return named_for_rpc_as(averager_class)(type(
-        f"Robust{averager_class.__name__}", (RobustAveraging, *_missing_mixins(averager_class), averager_class),
-        {"__module__": __name__, "__qualname__": f"robust_averager_class.{averager_class.__name__}"}))
+    return _subclass_under_its_name("robust_averager_class", averager_class,
+                                    (RobustAveraging, *_missing_mixins(averager_class)))
 
 
 @functools.cache
@@ -242,11 +248,7 @@ def members_only_class(averager_class: type) -> type:
     """`averager_class` (a DecentralizedAverager subclass) with the mixins every averager of ours has (MembersOnly,
     JoinsStateServer) mixed in, under its name (RPC); itself when it has them."""
     mixins = _missing_mixins(averager_class)
-    if not mixins:
-        return averager_class
-    return named_for_rpc_as(averager_class)(type(
-        f"MembersOnly{averager_class.__name__}", (*mixins, averager_class),
-        {"__module__": __name__, "__qualname__": f"members_only_class.{averager_class.__name__}"}))
+    return _subclass_under_its_name("members_only_class", averager_class, mixins) if mixins else averager_class
 
 
 class BoundedDownloads(MembersOnly, JoinsStateServer):
