@@ -207,10 +207,8 @@ class RunAuthorizer(TokenAuthorizerBase):
                 for one does not pass for another.
             peer_id: the libp2p peer ID (PeerID.to_bytes()) that presents it.
         """
-        token = AccessToken(username=self.grant.name, public_key=self.grant.holder,
-                            expiration_time=str(self.grant.expires), signature=self.grant.signature)
-        return dict(name=token.username, holder=token.public_key, expires=self.grant.expires,
-                    grant_signature=token.signature, proof=self.holder.sign(_peer_payload(purpose, peer_id)))
+        return dict(name=self.grant.name, holder=self.grant.holder, expires=self.grant.expires,
+                    grant_signature=self.grant.signature, proof=self.holder.sign(_peer_payload(purpose, peer_id)))
 
     def is_peer_proof_valid(self, purpose: str, peer_id: bytes, proof: dict) -> bool:
         """Whether `proof` (peer_proof's fields) shows that `peer_id` acts for a valid grant of this run: signed by

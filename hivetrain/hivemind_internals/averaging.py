@@ -211,16 +211,8 @@ class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
 
 
 def _warn_refused(caller: PeerID) -> None:
-    now = time.monotonic()
-    if now >= _refused_warned.get(caller, 0.0):
-        if len(_refused_warned) >= 4096:
-            _refused_warned.clear()
-        _refused_warned[caller] = now + 60.0
-        logger.warning(f"Refusing averaging requests from {caller}: no member record of this private run vouches"
-                       f" for it")
-
-
-_refused_warned: dict = {}
+    _warn_once_a_minute((caller, "refused"), f"Refusing averaging requests from {caller}: no member record of this"
+                                             f" private run vouches for it")
 
 
 def _missing_mixins(averager_class: type) -> tuple[type, ...]:
@@ -343,13 +335,22 @@ class BoundedDownloads(MembersOnly, JoinsStateServer):
 
 def _warn_download(peer: PeerID, why: str) -> None:
     """At most one warning a minute per holder and reason (each download asks every holder again)."""
-    now, key = time.monotonic(), (peer, why.split(",")[0])
-    if now >= _download_warned.get(key, 0.0):
-        _download_warned[key] = now + 60.0
-        logger.warning(f"Skipping the state of {peer}: {why}")
+    _warn_once_a_minute((peer, why.split(",")[0]), f"Skipping the state of {peer}: {why}")
 
 
-_download_warned: dict = {}
+def _warn_once_a_minute(key: Any, message: str) -> None:
+    """Warn `message` unless a warning under `key` (a peer and a reason) went out less than a minute ago. At most
+    MAX_WARNED_KEYS keys are remembered: a flood of peer IDs costs a repeated line, not memory."""
+    now = time.monotonic()
+    if now >= _warned_until.get(key, 0.0):
+        if len(_warned_until) >= MAX_WARNED_KEYS:
+            _warned_until.clear()
+        _warned_until[key] = now + 60.0
+        logger.warning(message)
+
+
+MAX_WARNED_KEYS = 4096
+_warned_until: dict = {}  # (peer, reason) -> time.monotonic() before which it is not warned about again
 
 
 @named_for_rpc_as(TrainingStateAverager)  # peers download the state and average under hivemind's name
