@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test dashboard bench logbook install install-dev
+.PHONY: demo test dashboard bench logbook install install-dev dist
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
@@ -17,7 +17,7 @@ logbook: $(VENV)/.installed-dev
 	HIVETRAIN_RELIABILITY_PAGE=logbook/reliability.md $(PY) -m pytest -q tests/test_faults.py
 
 dashboard: $(VENV)/.installed
-	$(PY) -m dashboard.launch $(if $(STORE),--store $(STORE))
+	$(PY) -m hivetrain.roles.dashboard.launch $(if $(STORE),--store $(STORE))
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.bench $(or $(SUITE),join)
@@ -30,6 +30,15 @@ bench: $(VENV)/.installed
 GPU_PROOF_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-proof:
 	$(GPU_PROOF_PYTHON) -m benchmarks.gpu_proof $(ARGS)
+
+# The wheel a volunteer installs with no clone (docs/join.md): dist/hivetrain-*.whl holds the `hivetrain` package
+# alone, the roles included (hivetrain.roles.*, the hivetrain-join/-coordinator/-dashboard commands). Built afresh:
+# an old build/ folder would carry files of packages since moved into the wheel.
+dist: $(VENV)/.installed
+	rm -rf build dist
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+	rm -rf build
+	@ls dist/hivetrain-*.whl
 
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh

@@ -23,8 +23,9 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-# torch, lightning and timm take seconds to import: they come after the arguments are checked.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tools are not installed
 
+# torch, lightning and timm take seconds to import: they come after the arguments are checked.
 STRATEGIES = ("single", "dp", "ddp", "fsdp", "pipeline")
 SCHEDULES = ("1f1b", "gpipe")  # baselines.pipeline.SCHEDULES; named here to check arguments before torch loads
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")

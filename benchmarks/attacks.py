@@ -124,6 +124,6 @@ if __name__ == "__main__":
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
-    from peers import join
+    from hivetrain.roles.peers import join
 
     sys.exit(main(sys.argv[1:], join.main))

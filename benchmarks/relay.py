@@ -1,5 +1,5 @@
 """The relay suite: what leading the outer rounds of peers that nobody can dial costs the coordinator
-(coordinator.relay), python -m benchmarks.bench relay.
+(hivetrain.roles.coordinator.relay), python -m benchmarks.bench relay.
 
 Each peer of a diloco swarm runs behind a NAT of its own (benchmarks.netns.NattedNamespace), so
 every trainer is in client mode and the coordinator leads every round as hivemind's auxiliary peer, reducing all of
@@ -99,7 +99,8 @@ def relay_section(result: dict, env: dict, out: Path) -> str:
         "## relay\n\n"
         + measured_by(env) + f" Diloco swarms (H = {result['inner_steps']} inner steps, one torch thread per peer),"
         " each peer behind a NAT of its own, so that nobody can dial any trainer and the coordinator leads every round"
-        " as hivemind's auxiliary peer (coordinator.relay). From the coordinator's `relayed` events (medians over the"
+        " as hivemind's auxiliary peer (hivetrain.roles.coordinator.relay). From the coordinator's `relayed` events"
+        " (medians over the"
         " rounds it relayed with every trainer; CPU: its averager's process) and the peers' epoch events (the rounds"
         " each averaged with all the others).\n\n"
         "| preset | parameters | trainers | rounds relayed with all | rounds each peer averaged with all (fewest) |"

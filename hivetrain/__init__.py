@@ -37,8 +37,10 @@ def __dir__() -> list[str]:
 
 
 def require_extra(extra: str, *modules: str) -> None:
-    """Stop with the one command that fixes it when a role's optional packages are missing: `pip install hivetrain`
-    installs only what a volunteer peer needs; the coordinator, dashboard and benchmarks come as extras."""
+    """Stop with the command that fixes it when a role's optional packages are missing: HiveTrain's own install is what
+    a volunteer peer needs; the coordinator, dashboard and benchmarks come as extras (no index serves the name
+    `hivetrain`: the extra goes on a clone or on the wheel or Git address it was installed from)."""
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        raise SystemExit(f"error: this needs {', '.join(missing)}, not installed here: pip install 'hivetrain[{extra}]'")
+        raise SystemExit(f"error: this needs {', '.join(missing)}, not installed here: pip install -e '.[{extra}]' in a"
+                         f" clone, or 'hivetrain[{extra}] @ WHEEL_OR_GIT_ADDRESS'")

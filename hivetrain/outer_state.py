@@ -21,7 +21,8 @@ from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
 logger = logging.getLogger(__name__)
 
 
-# What the coordinator gathers in a round it relays for peers nobody can dial (coordinator.relay): no groupmate.
+# What the coordinator gathers in a round it relays for peers nobody can dial (hivetrain.roles.coordinator.relay):
+# no groupmate.
 RELAY_GATHER = "relay"
 
 
@@ -276,7 +277,7 @@ class OuterState(RobustAveraging, BoundedDownloads):
 
     def relayed_bytes(self, trainers: int) -> int:
         """What a relayed round of `trainers` peers moves through the auxiliary peer that reduces every part of it
-        (coordinator.relay), estimated: each trainer's tensors in, and the average back out to each."""
+        (hivetrain.roles.coordinator.relay), estimated: each trainer's tensors in, and the average back out to each."""
         return 2 * trainers * self._tensor_bytes
 
     @property

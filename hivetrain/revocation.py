@@ -1,9 +1,10 @@
 """Revoked tokens: the coordinator's signed list of the grants a private run's owner took back, and a peer's watch
 for it.
 
-The owner revokes a token on the coordinator's machine (`coordinator/start.py revoke-token`, coordinator.tokens); the
-coordinator's own authorizer refuses it at once, and the coordinator publishes the list under `<run_id>_revoked`,
-signed as its rollback records are (an entry whose subkey is its identity key, signed with it). A peer of a private
+The owner revokes a token on the coordinator's machine (`coordinator/start.py revoke-token`,
+hivetrain.roles.coordinator.tokens); the coordinator's own authorizer refuses it at once, and the coordinator
+publishes the list under `<run_id>_revoked`, signed as its rollback records are (an entry whose subkey is its
+identity key, signed with it). A peer of a private
 run reads it every few seconds (RevocationWatcher) and hands it to its authorizer, in the DHT's process, which then
 refuses every request and answer of a revoked grant's holder: that peer drops out of the honest peers' DHT.
 

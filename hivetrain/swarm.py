@@ -371,8 +371,12 @@ def visible_addresses(dht: hivemind.DHT) -> tuple[list[str], bool]:
     return (outside, False) if outside else ([str(m) for m in maddrs], True)
 
 
-def join_command(addresses: list[str], extra: str = "") -> str:
-    return f"python peers/join.py --initial-peers {' '.join(shlex.quote(a) for a in addresses)}{extra}"
+# How a volunteer starts a peer: from a clone of the repository, or where HiveTrain is pip-installed
+CLONE_JOIN, INSTALLED_JOIN = "python peers/join.py", "hivetrain-join"
+
+
+def join_command(addresses: list[str], extra: str = "", program: str = CLONE_JOIN) -> str:
+    return f"{program} --initial-peers {' '.join(shlex.quote(a) for a in addresses)}{extra}"
 
 
 def read_records(dht: hivemind.DHT, key: str, schema: type[Record], timeout: float = DHT_READ_TIMEOUT) -> list[Record]:

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Seconds a record lives: a peer that stops refreshing (killed, cut off) leaves the live view this fast; a peer that
 # leaves cleanly says so in its last record at once. Refreshed three times per lifetime, from a thread of its own
-# (peers.progress), so that a peer busy in a long round does not drop out of the view.
+# (hivetrain.roles.peers.progress), so that a peer busy in a long round does not drop out of the view.
 PEER_RECORD_TTL = 15.0
 PUBLISH_EVERY = 5.0  # seconds between a peer's records
 

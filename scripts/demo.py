@@ -21,6 +21,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tools are not installed
+
 from benchmarks.harness import ROOT, Process, run_baseline, start_coordinator, start_peer, wait_until_marked_left
 from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
 
@@ -103,7 +105,7 @@ def _free_port(preferred: int) -> int:
 
 def _start_dashboard(workdir: Path, preferred_port: int) -> Process:
     """The dashboard on the demo's metrics store; it shows "waiting for the coordinator" until the store exists."""
-    from dashboard.launch import streamlit_command
+    from hivetrain.roles.dashboard.launch import streamlit_command
 
     port = _free_port(preferred_port)
     dashboard = Process(streamlit_command(workdir / "metrics.sqlite", "127.0.0.1", port)[1:], workdir / "dashboard.log")

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                              " picture is taken")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for all that (default: %(default)s)")
     args = parser.parse_args(argv)
-    from dashboard.browser import CHROMIUM, dashboard_page
+    from hivetrain.roles.dashboard.browser import CHROMIUM, dashboard_page
 
     if not os.access(CHROMIUM, os.X_OK):
         parser.error(f"{CHROMIUM} is missing: run scripts/install-system-test-deps.sh as root")

@@ -10,7 +10,7 @@ import time
 from hivemind.averaging.control import AveragingStage
 
 from hivetrain.outer_state import OuterState
-from peers import join
+from hivetrain.roles.peers import join
 
 die_at = int(sys.argv[1])
 step = OuterState.step

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from hivetrain.module import ImageClassifier
-from peers import join
+from hivetrain.roles.peers import join
 
 sick_from, sick_steps = int(sys.argv[1]), int(sys.argv[2])
 healthy_training_step = ImageClassifier.training_step

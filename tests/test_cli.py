@@ -103,7 +103,7 @@ def test_second_coordinator_on_a_busy_port(spawn, tmp_path):
 
 
 def test_swarm_settings_change_the_published_run_config():
-    from coordinator.start import parse_args, run_config
+    from hivetrain.roles.coordinator.start import parse_args, run_config
 
     preset = get_preset("demo")
     config = run_config(parse_args(["--preset", "demo", "--target-batch-size", "256", "--grad-compression", "fp16",
@@ -190,7 +190,7 @@ def _wait_until(condition, what: str, timeout: float = 60) -> None:
 
 
 def test_join_batch_size_takes_auto_or_a_number(capsys):
-    from peers.join import parse_args
+    from hivetrain.roles.peers.join import parse_args
 
     assert parse_args([]).batch_size is None  # the default: auto on a GPU, the run's batch on a CPU
     assert parse_args(["--batch-size", "auto"]).batch_size == "auto"

@@ -4,7 +4,7 @@ damaged or foreign checkpoint before touching the run."""
 import torch
 
 from conftest import assert_clean_error, start_coordinator
-from coordinator.start import status_line
+from hivetrain.roles.coordinator.start import status_line
 from hivetrain.checkpoint import Checkpoint, LocalCheckpointStore
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule
@@ -12,7 +12,7 @@ from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import MetricsReader, SwarmSnapshot
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
-from peers.progress import parameter_digest
+from hivetrain.roles.peers.progress import parameter_digest
 
 CONFIG = get_preset("demo").replace(run_id="resume-test")
 EPOCH = 7
@@ -73,7 +73,8 @@ def test_the_status_line_says_when_no_peer_can_lead_a_sync_round():
         return status_line(SwarmSnapshot(0.0, 3, alive, clients, 100.0, 64, 128, None, None), 0.1, mode)
 
     assert "nobody can lead" in line(2, 2, "sync")
-    # one reachable peer leads the rounds; a lone peer has no round; diloco rounds are relayed (coordinator.relay)
+    # one reachable peer leads the rounds; a lone peer has no round; diloco rounds are relayed
+    # (hivetrain.roles.coordinator.relay)
     assert "(1 in client mode)" in line(2, 1, "sync")
     assert "(1 in client mode)" in line(1, 1, "sync")
     assert "(2 in client mode)" in line(2, 2, "diloco")

@@ -17,7 +17,7 @@ from hivetrain.metrics_store import (CheckpointRow, MetricsWriter, PeerRow, Roll
 from hivetrain.records import read_record
 
 ROOT = Path(__file__).resolve().parent.parent
-APP = ROOT / "dashboard" / "app.py"
+APP = ROOT / "hivetrain" / "roles" / "dashboard" / "app.py"
 CHART = "vega_lite_chart"  # what AppTest calls an st.altair_chart in this Streamlit version
 
 # The app is a script, not on sys.path: load it as a module for its helpers (main() runs only as __main__).
@@ -285,7 +285,7 @@ def hostile_records() -> list[dict]:
 def test_the_coordinator_stores_and_the_dashboard_shows_hostile_well_formed_records(monkeypatch, tmp_path):
     import hivemind
 
-    from coordinator.monitor import SwarmMonitor
+    from hivetrain.roles.coordinator.monitor import SwarmMonitor
     from hivetrain.record_guard import parse_entry
     from hivetrain.telemetry import PeerRecord, publish_peer_record
 

@@ -10,7 +10,7 @@ import urllib.request
 from conftest import start_coordinator
 from s3server import free_ports
 
-from dashboard.browser import CHROMIUM, dashboard_page
+from hivetrain.roles.dashboard.browser import CHROMIUM, dashboard_page
 
 
 def _wait_healthy(url: str, timeout: float) -> None:
@@ -44,7 +44,8 @@ def test_dashboard_shows_the_live_swarm_in_a_browser(spawn, tmp_path):
     _, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo")
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    spawn("dashboard", "-m", "dashboard.launch", "--store", str(tmp_path / "coordinator" / "metrics.sqlite"),
+    spawn("dashboard", "-m", "hivetrain.roles.dashboard.launch",
+          "--store", str(tmp_path / "coordinator" / "metrics.sqlite"),
           "--port", str(port), "--refresh", "2", "--records", str(tmp_path / "no-records"))
     for name in ("alice", "bob"):
         spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", name,

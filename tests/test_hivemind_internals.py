@@ -14,7 +14,7 @@ from hivetrain import hivemind_internals
 from hivetrain.hivemind_internals import SUPPORTED_HIVEMIND_VERSIONS, check_hivemind_version
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hivetrain", "coordinator", "peers", "dashboard", "baselines")
+PACKAGES = ("hivetrain", "coordinator", "peers", "baselines")
 INTERNALS = Path(hivemind_internals.__file__).resolve().parent  # the package's folder
 
 
@@ -152,7 +152,7 @@ def test_averager_subclasses_answer_under_hiveminds_rpc_names():
     from hivemind.averaging import DecentralizedAverager
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    from coordinator.state import CountingStateAverager
+    from hivetrain.roles.coordinator.state import CountingStateAverager
 
     for subclass, base in ((CountingStateAverager, TrainingStateAverager),
                            (hivemind_internals.robust_averager_class(TrainingStateAverager), TrainingStateAverager),

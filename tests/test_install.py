@@ -18,9 +18,9 @@ def test_the_peer_imports_no_extra():
     """Everything peers/join.py imports on its way to training: its module, what main() imports and the training
     stack it imports in a thread."""
     probe = (
-        "import sys, peers.join\n"
+        "import sys, hivetrain.roles.peers.join\n"
         "import hivetrain.access, hivetrain.config, hivetrain.reachability, hivetrain.swarm, hivetrain.telemetry\n"
-        "peers.join._import_training_stack()\n"
+        "hivetrain.roles.peers.join._import_training_stack()\n"
         "assert 'hivetrain.strategy' in sys.modules and 'lightning' in sys.modules\n"
         f"print(sorted(m for m in {EXTRAS_PACKAGES!r} if m in sys.modules))\n"
     )
@@ -30,13 +30,14 @@ def test_the_peer_imports_no_extra():
 
 
 @pytest.mark.parametrize("module, args, extra", [
-    ("coordinator.start", ["--preset", "demo"], "coordinator"),
-    ("dashboard.launch", ["--store", "runs/none.sqlite"], "dashboard"),
+    ("hivetrain.roles.coordinator.start", ["--preset", "demo"], "coordinator"),
+    ("hivetrain.roles.dashboard.launch", ["--store", "runs/none.sqlite"], "dashboard"),
 ])
 def test_a_role_without_its_extra_says_what_to_install(module, args, extra):
     """`python -S` leaves site-packages out: none of the extra's packages can be found, as in a peer-only install."""
     result = subprocess.run([sys.executable, "-S", "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 1
-    assert result.stderr.strip().endswith(f"not installed here: pip install 'hivetrain[{extra}]'"), result.stderr
+    assert result.stderr.strip().endswith(f"not installed here: pip install -e '.[{extra}]' in a clone, or"
+                                          f" 'hivetrain[{extra}] @ WHEEL_OR_GIT_ADDRESS'"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

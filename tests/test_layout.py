@@ -5,7 +5,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("hivetrain", "coordinator", "peers", "dashboard", "baselines", "benchmarks", "scripts")
+FOLDERS = ("hivetrain", "coordinator", "peers", "baselines", "benchmarks", "scripts")
+# The roles: hivetrain.roles.<role> (in the wheel) and the clone's entry scripts (coordinator/start.py, peers/join.py),
+# baselines/ (a clone's tool)
 ROLES = ("coordinator", "peers", "dashboard", "baselines")
 
 
@@ -34,6 +36,13 @@ def _imports(path: Path) -> set[str]:
 
 
 GRAPH = {module: _imports(path) - {module} for module, path in MODULES.items()}
+
+
+def _area(module: str) -> str:
+    """Where a module belongs: its role (hivetrain.roles.<role>..., or a role's folder), else its top-level folder
+    (hivetrain: the core)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["hivetrain", "roles"] and len(parts) > 2 else parts[0]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -82,22 +91,23 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
 
 
 def test_no_import_cycles():
-    assert len(GRAPH) > 50 and "hivetrain.strategy" in GRAPH["peers.join"]  # it read the repository
+    assert len(GRAPH) > 50 and "hivetrain.strategy" in GRAPH["hivetrain.roles.peers.join"]  # it read the repository
     assert _cycles(GRAPH) == []
 
 
 def test_roles_meet_only_through_the_core():
     """The core imports no role; a role imports the core and itself only (peers need none of the coordinator's code,
     the dashboard none of the trainers'), and nothing imports a benchmark but the benchmarks and scripts."""
-    def imported_folders(folder: str) -> dict[str, set[str]]:
-        return {module: {name.split(".")[0] for name in GRAPH[module]}
-                for module in GRAPH if module.split(".")[0] == folder}
+    def imported_areas(area: str) -> dict[str, set[str]]:
+        return {module: {_area(name) for name in GRAPH[module]} for module in GRAPH if _area(module) == area}
 
-    for module, folders in imported_folders("hivetrain").items():
-        assert folders <= {"hivetrain"}, module
+    assert "hivetrain.roles.coordinator.start" in imported_areas("coordinator")  # roles inside the package count
+
+    for module, areas in imported_areas("hivetrain").items():
+        assert areas <= {"hivetrain"}, module
     for role in ROLES:
-        for module, folders in imported_folders(role).items():
-            assert folders <= {"hivetrain", role}, module
+        for module, areas in imported_areas(role).items():
+            assert areas <= {"hivetrain", role}, module
 
 
 def _top_level_imports(path: Path) -> set[str]:
@@ -114,14 +124,15 @@ def _top_level_imports(path: Path) -> set[str]:
 def test_a_join_imports_no_other_role_and_none_of_their_libraries():
     """What `peers/join.py` can import, lazily too: the core and the peer's own code, never the coordinator's, the
     dashboard's or the benchmarks', nor the libraries only those need (a volunteer installs `hivetrain` alone)."""
-    reached, todo = set(), ["peers.join"]
+    reached, todo = set(), ["peers.join"]  # the clone's entry script, and through it hivetrain.roles.peers
     while todo:
         module = todo.pop()
         if module not in reached:
             reached.add(module)
             todo.extend(GRAPH[module])
     assert "hivetrain.strategy" in reached
-    assert {module.split(".")[0] for module in reached} <= {"hivetrain", "peers"}, sorted(reached)
+    assert "hivetrain.roles.peers.join" in reached
+    assert {_area(module) for module in reached} <= {"hivetrain", "peers"}, sorted(reached)
     # boto3 is imported for s3:// checkpoint URIs only (hivetrain.checkpoint_location), which a join never names
     libraries = set().union(*(_top_level_imports(MODULES[module]) for module in reached - {"hivetrain.s3_store"}))
     assert not libraries & {"streamlit", "boto3", "pandas", "altair", "matplotlib", "tensorboard"}, sorted(libraries)

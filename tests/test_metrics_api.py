@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import assert_clean_error, start_coordinator
-from coordinator.metrics_api import LABEL_LENGTH, LEFT_PEERS_SHOWN, MetricsServer
+from hivetrain.roles.coordinator.metrics_api import LABEL_LENGTH, LEFT_PEERS_SHOWN, MetricsServer
 from hivetrain.metrics_store import MetricsWriter, PeerRow
 
 NAME = 'ana "the\\ peer"\u00e9'  # a quote, a backslash, non-ASCII: a volunteer's name is any text

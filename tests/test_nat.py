@@ -1,6 +1,6 @@
 """Volunteers behind NAT (two network namespaces and a masquerading router the test builds, per NAT): one finds out by
 itself that nobody can dial it, joins in client mode and contributes samples; two, each behind its own NAT, average
-their diloco rounds through the coordinator, which leads their groups (coordinator.relay)."""
+their diloco rounds through the coordinator, which leads their groups (hivetrain.roles.coordinator.relay)."""
 
 import time
 

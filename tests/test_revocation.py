@@ -17,8 +17,9 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import start_coordinator
-from coordinator.start import main as coordinator_main
-from coordinator.tokens import GrantNote, issued_path, read_notes, revocation_path, revoked_holders, write_notes
+from hivetrain.roles.coordinator.start import main as coordinator_main
+from hivetrain.roles.coordinator.tokens import (GrantNote, issued_path, read_notes, revocation_path, revoked_holders,
+                                                write_notes)
 from hivetrain.access import AccessGrant, RunAuthorizer, holder_fingerprint, issue_grant, load_key
 from hivetrain.config import get_preset
 from hivetrain.record_guard import MAX_RECORD_BYTES, parse_entry, signer_peer_id
@@ -90,7 +91,7 @@ def test_a_revoked_grant_is_refused_and_the_list_is_bounded(tmp_path, caplog):
     raw = json.loads(path.read_text())
     raw["grants"] += [dict(name="x", expires="soon", holder="zz"), "nonsense"]
     path.write_text(json.dumps(raw))
-    with caplog.at_level(logging.WARNING, logger="coordinator.tokens"):
+    with caplog.at_level(logging.WARNING, logger="hivetrain.roles.coordinator.tokens"):
         assert [note.name for note in read_notes(path, "revocation list")] == ["alice"]
     assert [r.getMessage() for r in caplog.records] == [f"Skipped 2 malformed entries of {path}"]
     path.write_text("{not json")

@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import publisher_identity, start_coordinator
-from coordinator.monitor import Validator
+from hivetrain.roles.coordinator.monitor import Validator
 from hivetrain.checkpoint import Checkpoint, LocalCheckpointStore, checkpoint_name, read_checkpoint
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule
@@ -29,7 +29,7 @@ from hivetrain.model import create_model
 from hivetrain.rollback import RollbackRecord, RollbackWatcher, publish_rollback, read_rollback, rollback_key
 from hivetrain.run_record import fetch_run, publish_run_config
 from hivetrain.swarm import DHTOptions, start_dht
-from peers.progress import parameter_digest
+from hivetrain.roles.peers.progress import parameter_digest
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 

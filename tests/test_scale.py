@@ -58,7 +58,7 @@ def test_a_state_holder_counts_the_downloads_it_answers():
     """The counter behind the storm's figures: a download from the coordinator's holder counts one there."""
     import hivemind
 
-    from coordinator.state import StateHolder
+    from hivetrain.roles.coordinator.state import StateHolder
     from hivetrain.config import get_preset
 
     config = get_preset("demo")

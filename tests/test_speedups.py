@@ -121,7 +121,7 @@ def test_compile_is_refused_where_the_baseline_does_not_train_the_module(tmp_pat
 
 
 def test_peer_accepts_compile():
-    from peers.join import parse_args
+    from hivetrain.roles.peers.join import parse_args
 
     assert parse_args(["--compile"]).compile and not parse_args([]).compile
 

@@ -14,7 +14,7 @@ from conftest import BUCKET, ROOT, Process, start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
-from peers.progress import parameter_digest
+from hivetrain.roles.peers.progress import parameter_digest
 
 STOP_AT = 20  # C starts after epoch 3 and needs a few epochs to import and load the state: leave it room to train
 EPOCH_LINE = re.compile(r"swarm epoch (\d+) .* loss ([0-9.]+) \| params (\w+)")

@@ -10,13 +10,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from coordinator.start import parse_args as coordinator_args
+from hivetrain.roles.coordinator.start import parse_args as coordinator_args
 from hivetrain.config import DATASETS, RunConfig, get_preset
 from hivetrain.data import DATASET_STATS, make_datamodule
 from hivetrain.model import create_model
 from hivetrain.module import ImageClassifier
 from hivetrain.synthetic_data import TRAIN_SAMPLES, VAL_SAMPLES
-from peers.join import parse_args as peer_args
+from hivetrain.roles.peers.join import parse_args as peer_args
 
 MISSION = get_preset("cifar10-vit-b32")
 SYNTHETIC = get_preset("synthetic-vit-b32")

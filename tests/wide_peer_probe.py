@@ -10,8 +10,8 @@ import torch
 
 from hivetrain.module import ImageClassifier
 from hivetrain.diloco_ddp import DiLoCoDDPStrategy
-from peers import join
-from peers.progress import SwarmProgress
+from hivetrain.roles.peers import join
+from hivetrain.roles.peers.progress import SwarmProgress
 
 sick_at, prefix = int(sys.argv[1]), sys.argv[2]
 healthy_training_step = ImageClassifier.training_step

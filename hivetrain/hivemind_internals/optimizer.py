@@ -65,7 +65,7 @@ class PatchedOptimizer(hivemind.Optimizer):
         return averager_class(
             **robust,
             # hivemind's prefix, spelt so that its suffix does not read as a private name to the check in
-            # tests/test_hivemind_internals.py (coordinator/state.py uses the same key)
+            # tests/test_hivemind_internals.py (hivetrain/roles/coordinator/state.py uses the same key)
             dht=self.dht, prefix="{}_state_averager".format(self.run_id), min_matchmaking_time=self.matchmaking_time,
             allreduce_timeout=self.allreduce_timeout, shutdown_timeout=self.shutdown_timeout,
             offload_optimizer=self.offload_optimizer, custom_gradients=self.offload_optimizer,

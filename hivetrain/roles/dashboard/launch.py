@@ -1,7 +1,8 @@
-"""Start the dashboard: `python -m dashboard.launch --store runs/demo/metrics.sqlite` (or `hivetrain-dashboard`,
-`make dashboard STORE=...`). The short form of
+"""Start the dashboard: `hivetrain-dashboard --store runs/demo/metrics.sqlite` (or `make dashboard STORE=...` in a
+clone). The short form of
 
-    streamlit run dashboard/app.py --server.address 127.0.0.1 --browser.gatherUsageStats false -- --store PATH
+    streamlit run hivetrain/roles/dashboard/app.py --server.address 127.0.0.1 --browser.gatherUsageStats false \
+        -- --store PATH
 
 with the settings that keep Streamlit on this machine and quiet: no usage statistics, no browser opened, loopback
 unless --host says otherwise.

@@ -3,7 +3,7 @@ hivemind peer: StateHolder for sync runs, OuterStateHolder for diloco runs (oute
 
 It never trains: it downloads the newest state from the volunteers when asked, and serves what it holds to joiners.
 In a diloco run whose trainers nobody can dial, it also leads their outer rounds without a part of its own
-(coordinator.relay). So the state survives when every volunteer has left, and `--resume` starts a run
+(hivetrain.roles.coordinator.relay). So the state survives when every volunteer has left, and `--resume` starts a run
 from a checkpoint by serving it. It offers its state only once it holds a real one (downloaded or resumed): a first
 volunteer must not download the coordinator's untrained weights in place of its pretrained ones.
 """
@@ -30,7 +30,7 @@ from hivetrain.robust import RobustAggregation
 from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm_options import COMPRESSION
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
-from coordinator.relay import RoundRelay, print_flushed
+from hivetrain.roles.coordinator.relay import RoundRelay, print_flushed
 
 logger = logging.getLogger(__name__)
 

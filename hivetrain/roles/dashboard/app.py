@@ -1,6 +1,6 @@
 """The HiveTrain dashboard: a live view of one swarm run, read from the coordinator's metrics store.
 
-    streamlit run dashboard/app.py -- [--store FILE] [--records DIR] [--refresh SECONDS]
+    streamlit run hivetrain/roles/dashboard/app.py -- [--store FILE] [--records DIR] [--refresh SECONDS]
 
 Only the live part of the page (a Streamlit fragment) reruns on each refresh, so the scroll position, the sidebar
 and any choice made on the page stay where the user left them. The store is opened read-only: watching a run can
@@ -25,7 +25,6 @@ from hivetrain.metrics_store import (CheckpointRow, MetricsReader, PeerRow, Roll
                                      StoreMissing, SwarmSnapshot, ValidationRow)
 from hivetrain.records import RunRecord, read_record
 
-ROOT = Path(__file__).resolve().parent.parent
 # A peer that left is marked so by the coordinator's first look without it ("left"). Until then: peers refresh their
 # DHT record every 5 s and it lapses after 15 s, the coordinator looks every 10 s: within 30 s a peer is surely there.
 # Up to 120 s it may only be slow to reach (a busy machine, a coordinator that stopped looking), after that it is gone.
@@ -39,9 +38,10 @@ DILOCO_COLUMNS = ["inner steps", "pseudo-gradient norm", "MB per round", "rounds
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="HiveTrain dashboard")
-    parser.add_argument("--store", type=Path, default=ROOT / "runs/hivetrain-demo/metrics.sqlite",
+    parser.add_argument("--store", type=Path, default=Path("runs/hivetrain-demo/metrics.sqlite"),
                         help="the coordinator's SQLite metrics store")
-    parser.add_argument("--records", type=Path, default=ROOT / "logbook/records", help="baseline run records")
+    parser.add_argument("--records", type=Path, default=Path("logbook/records"),
+                        help="baseline run records (the defaults: a clone's, from its root)")
     parser.add_argument("--refresh", type=int, default=5, help="seconds between refreshes, 0 = off")
     return parser.parse_known_args(argv)[0]  # known only: Streamlit may leave its own arguments behind
 
