@@ -1,6 +1,9 @@
-"""The README and the guides link to files and sections that exist (the README was split into docs/*.md)."""
+"""The README and the guides link to files and sections that exist (the README was split into docs/*.md), and the
+command-line reference is what the commands' --help says."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,11 @@ def test_the_readme_is_a_front_door():
     assert len(readme.splitlines()) <= 200
     for guide in ("docs/run.md", "docs/join.md", "docs/security.md", "docs/library.md"):
         assert f"]({guide})" in readme, guide
+
+
+def test_the_cli_reference_is_what_the_commands_help_says():
+    """docs/cli.md is written from the roles' parsers (scripts/cli_reference.py): an option added, changed or removed
+    without rewriting it fails here."""
+    result = subprocess.run([sys.executable, "scripts/cli_reference.py", "--check"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:] + "\nrun: python scripts/cli_reference.py"

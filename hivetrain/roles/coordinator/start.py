@@ -24,16 +24,22 @@ from pathlib import Path
 DEFAULT_PORT = 31337
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from hivetrain.config import (COMPRESSIONS, DEFAULT_PRESET, MAX_ROUND_SECONDS, MIN_ROUND_SECONDS, PRESETS,
-                                  ROBUST_AGGREGATIONS, SWARM_MODES)
+def build_parser() -> argparse.ArgumentParser:
+    """The coordinator's options (docs/cli.md is written from them: scripts/cli_reference.py)."""
+    from hivetrain.config import COMPRESSIONS, DEFAULT_PRESET, PRESETS, ROBUST_AGGREGATIONS, SWARM_MODES
     from hivetrain.wandb_run import add_wandb_arguments
 
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py",
         description="Start a HiveTrain run and keep its swarm together: bootstrap peer, monitor and validator.",
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET, help="what the run trains (default: %(default)s)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                        help="what the run trains (default: %(default)s, the mission: ViT-B/32 on CIFAR-10); demo: a"
+                             " tiny ViT at 32 px on scikit-learn's 8x8 digits; digits-vit-tiny: timm's ViT-Tiny at 32"
+                             " px on digits (the throughput benchmark's model); digits-vit-b32: ViT-B/32's full state"
+                             " on 32 px digits (join and transfer benchmarks on CPUs); synthetic-vit-b32: the mission"
+                             " exactly, on seeded CIFAR-10-shaped noise from random weights or --pretrained-weights"
+                             " FILE (nothing to download: GPU machines offline; measures speed, not accuracy)")
     parser.add_argument("--run-id", help="name of the run (default: the preset's); no '.' or '/'")
     parser.add_argument("--resume", default=None, metavar="PATH|s3://...",
                         help="start from a checkpoint (a .tar, a checkpoint folder or s3://bucket/prefix: its best):"
@@ -134,6 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ckpt.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible server's URL (MinIO, SeaweedFS, ...)")
     ckpt.add_argument("--keep-last", type=int, default=5, help="checkpoints kept besides the best (default: %(default)s)")
     add_wandb_arguments(parser)  # swarm metrics, validation and the best checkpoint, also to W&B
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from hivetrain.config import MAX_ROUND_SECONDS, MIN_ROUND_SECONDS
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")

@@ -118,7 +118,7 @@ def _token_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run's authority key (default: ~/.cache/hivetrain/<run-id>/authority.key)")
 
 
-def issue_token(argv: list[str]) -> int:
+def issue_token_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py issue-token",
         description="Print an access token for one volunteer of a private run (started with --require-token). The"
@@ -127,7 +127,11 @@ def issue_token(argv: list[str]) -> int:
     parser.add_argument("name", help="who the token is for (their display name in the swarm)")
     parser.add_argument("--expires", default="7d", help="lifetime: 30m, 12h, 7d, 2w (default: %(default)s)")
     _token_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def issue_token(argv: list[str]) -> int:
+    args = issue_token_parser().parse_args(argv)
     try:
         lifetime = parse_lifetime(args.expires)
         path = authority_path(args.authority_key, args.run_id or get_preset(args.preset).run_id)
@@ -142,7 +146,7 @@ def issue_token(argv: list[str]) -> int:
     return 0
 
 
-def revoke_token(argv: list[str]) -> int:
+def revoke_token_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python coordinator/start.py revoke-token",
         description="Revoke a volunteer's token before it expires: the run's coordinator refuses its holder within"
@@ -151,7 +155,11 @@ def revoke_token(argv: list[str]) -> int:
     parser.add_argument("name_or_token", metavar="NAME_OR_TOKEN",
                         help="the name given to issue-token (every unexpired token of that name), or the token itself")
     _token_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def revoke_token(argv: list[str]) -> int:
+    args = revoke_token_parser().parse_args(argv)
     try:
         path = authority_path(args.authority_key, args.run_id or get_preset(args.preset).run_id)
         line = revoke(path, args.name_or_token)

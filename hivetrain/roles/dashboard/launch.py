@@ -31,7 +31,7 @@ def streamlit_command(store: str, host: str, port: int, records: str | None = No
     return command
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hivetrain-dashboard",
                                      description="Show a run's metrics store in the browser.")
     parser.add_argument("--store", default="runs/demo/metrics.sqlite",
@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refresh", type=int, default=None, help="seconds between refreshes (default: 5; 0: off)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default: %(default)s: this machine only)")
     parser.add_argument("--port", type=int, default=8501, help="port to serve on (default: %(default)s)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from hivetrain import require_extra
 
     require_extra("dashboard", "streamlit", "pandas", "altair")

@@ -32,7 +32,8 @@ OTHER_RANKS_EXIT_TIMEOUT = 60.0  # seconds rank 0 waits for the other ranks to f
 GPU_LOADER_WORKERS = 2  # DataLoader processes of a peer on a GPU: prefetch while the card computes
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """A volunteer's options (docs/cli.md is written from them: scripts/cli_reference.py)."""
     parser = argparse.ArgumentParser(
         prog="python peers/join.py",
         description="Join a HiveTrain run as a volunteer: fetch its configuration from the swarm and train with it.",
@@ -105,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--verbose", action="store_true",
                      help="show hivemind's own progress messages, and the tracebacks of the swarm's ordinary events"
                           " (a round without a group, a peer that left): one line per event otherwise")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.memory_budget is not None:
         from hivetrain.batch_size import parse_bytes  # no torch: cheap to check before the slow imports
