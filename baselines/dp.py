@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from baselines.monitor import NvidiaSmiLog, UtilisationSampler, peak_memory
+from baselines.utilisation import NvidiaSmiLog, UtilisationSampler, peak_memory
 from baselines.recorder import RunStats
 from hivetrain.config import RunConfig
 from hivetrain.data import ImageDataModule

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from baselines.monitor import NvidiaSmiLog, UtilisationSampler, peak_memory
+from baselines.utilisation import NvidiaSmiLog, UtilisationSampler, peak_memory
 from baselines.recorder import RunStats
 from baselines.sharded import StateDict
 from hivetrain.config import RunConfig

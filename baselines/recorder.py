@@ -11,7 +11,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from baselines.monitor import NvidiaSmiLog, UtilisationSampler, peak_memory
+from baselines.utilisation import NvidiaSmiLog, UtilisationSampler, peak_memory
 from baselines.sharded import StateDict, full_state_dict, parameter_bytes
 from hivetrain.config import RunConfig
 from hivetrain.model import save_weights

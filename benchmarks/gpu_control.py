@@ -127,7 +127,7 @@ def measure_control(batch: int, seconds: float, artifacts: Path, clock, single: 
         warmup_steps: untimed steps before each process waits for the other.
         options: gpu_speed options after all of those (the tests run it on a CPU, small).
     """
-    from benchmarks.gpu_monitor import RunMonitor
+    from benchmarks.gpu_usage import RunMonitor
 
     label = f"control-{SWARM_PRECISION}"
     # The machine's CPUs are shared between the two as DDP's ranks share them, for their DataLoader workers.

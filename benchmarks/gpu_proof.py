@@ -202,7 +202,7 @@ class Clock:
 def run_proof(args: argparse.Namespace, command: str) -> int:
     import torch
 
-    from benchmarks.gpu_monitor import write_nvidia_smi_dumps
+    from benchmarks.gpu_usage import write_nvidia_smi_dumps
     from hivetrain.synthetic_data import DATA_ORIGIN, IMAGE_SHAPE, NUM_CLASSES
     from hivetrain.config import get_preset
     from hivetrain.files import atomic_write
@@ -320,7 +320,7 @@ def describe_environment(commit: Optional[str]) -> dict:
     """The commit, date, machine, GPUs (from NVML) and versions the page names."""
     import torch
 
-    from benchmarks.gpu_monitor import nvml_gpus
+    from benchmarks.gpu_usage import nvml_gpus
     from hivetrain.records import cpu_name
 
     gpus, driver = nvml_gpus()
@@ -359,7 +359,7 @@ def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts
     """The batch finder's search on the GPU for `precision`, on generated data (no dataset loaded)."""
     from hivetrain.batch_size import BatchSearchError, TrialSpec, find_batch_size
     from hivetrain.config import get_preset
-    from benchmarks.gpu_monitor import RunMonitor
+    from benchmarks.gpu_usage import RunMonitor
 
     spec = TrialSpec(get_preset(PRESET), "cuda", precision, load_dataset=False)
     cap = min(args.search_cap, args.train_samples)
@@ -385,7 +385,7 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
     OOM_RETRIES times (the search's trial holds a little less than a training loop does). `label` names its log
     and recording files (default: speed-PRECISION-STRATEGY); `options` go to gpu_speed after the proof's own (the
     last of an option given twice counts); `timeout` is each attempt's limit in seconds."""
-    from benchmarks.gpu_monitor import RunMonitor
+    from benchmarks.gpu_usage import RunMonitor
     from hivetrain.formatting import fmt_bytes
 
     strategy = "single" if devices == 1 else "ddp"

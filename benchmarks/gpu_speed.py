@@ -316,7 +316,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         window_end_time = time.time()
         dumps = []
         if rank == 0 and args.dump_dir:  # the GPUs as they are at the end of a busy window, memory still held
-            from benchmarks.gpu_monitor import write_nvidia_smi_dumps
+            from benchmarks.gpu_usage import write_nvidia_smi_dumps
 
             dumps = write_nvidia_smi_dumps(Path(args.dump_dir), args.dump_label)
         final_loss = float(loss.detach())

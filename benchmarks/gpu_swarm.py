@@ -137,7 +137,7 @@ def parse_ceiling_output(text: str) -> dict:
 def measure_ceiling(batch: int, seconds: float, artifacts: Path, clock, options: tuple[str, ...] = ()) -> dict:
     """benchmarks.gpu_ceiling at `batch` in SWARM_PRECISION for `seconds`, its log and GPU recording in `artifacts`;
     `options` go on to it after those (the tests run it on a CPU with a small image and matrix)."""
-    from benchmarks.gpu_monitor import RunMonitor
+    from benchmarks.gpu_usage import RunMonitor
 
     label = f"ceiling-{SWARM_PRECISION}"
     log = artifacts / f"{label}.log"
@@ -215,7 +215,7 @@ def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inne
     trained (benchmarks.harness.swarm_window), and the figures of `swarm_figures` (against `single`, `ceiling` and
     `control`) and `time_shares`. The roles' logs are kept in `artifacts`; `clock` is gpu_proof's Clock."""
     from benchmarks.harness import run_swarm, swarm_window
-    from benchmarks.gpu_monitor import RunMonitor, write_nvidia_smi_dumps
+    from benchmarks.gpu_usage import RunMonitor, write_nvidia_smi_dumps
 
     options = {variant: coordinator_args(variant, inner_steps) for variant in variants}  # refuses unknown ones first
     results = []

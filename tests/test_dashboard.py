@@ -285,7 +285,7 @@ def hostile_records() -> list[dict]:
 def test_the_coordinator_stores_and_the_dashboard_shows_hostile_well_formed_records(monkeypatch, tmp_path):
     import hivemind
 
-    from hivetrain.roles.coordinator.monitor import SwarmMonitor
+    from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
     from hivetrain.record_guard import parse_entry
     from hivetrain.telemetry import PeerRecord, publish_peer_record
 

@@ -274,7 +274,7 @@ def _fake_peer(now: float, lag: float, wait_seconds: float) -> FakeRole:
 
 
 def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its_page(tmp_path, monkeypatch):
-    import benchmarks.gpu_monitor
+    import benchmarks.gpu_usage
     import benchmarks.harness
 
     artifacts = tmp_path / "records" / "gpu-proof-test"
@@ -311,7 +311,7 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
                     for t, u in ((-150, 0.0), (-80, 94.0), (-50, 96.0), (-20, 95.0), (100, 0.0))]
 
     monkeypatch.setattr(benchmarks.harness, "run_swarm", fake_run_swarm)
-    monkeypatch.setattr(benchmarks.gpu_monitor, "NvmlSeries", FakeNvmlSeries)
+    monkeypatch.setattr(benchmarks.gpu_usage, "NvmlSeries", FakeNvmlSeries)
     record = json.loads(EXAMPLE_RECORD.read_text())
     single = dict(record["precisions"][1]["single"], batch_size=1024, train_samples_per_s=7200.0)
     control = dict(record["control"], samples_per_s=6400.0)

@@ -27,7 +27,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import publisher_identity, start_coordinator
-from hivetrain.roles.coordinator.monitor import SwarmMonitor
+from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
 from hivetrain.config import get_preset
 from hivetrain.diloco import RoundTracker
 from hivetrain.metrics_store import MetricsReader, MetricsWriter

@@ -9,7 +9,8 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from hivetrain.roles.coordinator.monitor import SwarmMonitor, Validator
+from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
+from hivetrain.roles.coordinator.validator import Validator
 from hivetrain.checkpoint import LocalCheckpointStore
 from hivetrain.checkpoint_location import load_checkpoint
 from hivetrain.config import get_preset

@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import publisher_identity, start_coordinator
-from hivetrain.roles.coordinator.monitor import Validator
+from hivetrain.roles.coordinator.validator import Validator
 from hivetrain.checkpoint import Checkpoint, LocalCheckpointStore, checkpoint_name, read_checkpoint
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule

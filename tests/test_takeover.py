@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import publisher_identity, start_coordinator
-from hivetrain.roles.coordinator.monitor import SwarmMonitor
+from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
 from hivetrain.clock import (EPOCHS_AHEAD, ClockRecord, ClockWatcher, RecordWatcher, clock_key, publish_clock,
                              read_clock, swarm_epoch)
 from hivetrain.config import RunConfig, get_preset

@@ -19,7 +19,8 @@ from torch.utils.tensorboard import SummaryWriter
 from wandb.proto import wandb_internal_pb2
 
 from conftest import start_coordinator
-from hivetrain.roles.coordinator.monitor import SwarmMonitor, Validator
+from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
+from hivetrain.roles.coordinator.validator import Validator
 from hivetrain.checkpoint import LocalCheckpointStore
 from hivetrain.data import make_datamodule
 from hivetrain.metrics_store import MetricsWriter

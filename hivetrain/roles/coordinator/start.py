@@ -365,9 +365,10 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
-    from hivetrain.roles.coordinator.monitor import SwarmMonitor, Validator
     from hivetrain.roles.coordinator.state import make_state_holder
+    from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
     from hivetrain.roles.coordinator.tokens import RevocationWatch, authority_path
+    from hivetrain.roles.coordinator.validator import Validator
     from hivetrain.clock import EPOCHS_AHEAD, publish_clock
     from hivetrain.diloco import rounds_description
     from hivetrain.events import EventLog

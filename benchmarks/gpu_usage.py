@@ -1,5 +1,5 @@
 """What the GPU proof records about the GPUs during each run: raw `nvidia-smi` text dumps, nvidia-smi's own CSV log
-every second (`baselines.monitor.NvidiaSmiLog`), and an NVML series of utilisation and memory every second.
+every second (`baselines.utilisation.NvidiaSmiLog`), and an NVML series of utilisation and memory every second.
 
 The series is taken by NVML index over every GPU the driver sees, from the process that orchestrates the runs, so
 it covers runs whose work happens in other processes (batch-search trials, DDP ranks, swarm peers) alike, and that
@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from baselines.monitor import NvidiaSmiLog
+from baselines.utilisation import NvidiaSmiLog
 
 # The two raw views: the overview (GPUs, memory, processes) and the memory and utilisation details.
 NVIDIA_SMI_VIEWS = {
