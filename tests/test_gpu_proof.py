@@ -31,6 +31,13 @@ def run_module(*args: str, env: dict | None = None, timeout: float = 300) -> sub
                           env=dict(os.environ, **(env or {})))
 
 
+@pytest.fixture(autouse=True)
+def _pythonpath_restored(monkeypatch):
+    """gpu_proof.main puts the repository on PYTHONPATH for the processes it starts; run in-process here, that must
+    not outlive the test (a later test's subprocess would see this clone's hivetrain on its path)."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+
+
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path):
     out, records = tmp_path / "out", tmp_path / "records"
     done = run_module("benchmarks.gpu_proof", "--out", str(out), "--records", str(records),

@@ -24,9 +24,15 @@ def _build_wheel(tmp_path: Path) -> Path:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+                    "--wheel-dir", str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300,
+                   env=_clean_env())
     (wheel,) = (tmp_path / "dist").glob("hivetrain-*.whl")
     return wheel
+
+
+def _clean_env() -> dict:
+    """This process's environment without a path that could lead to the clone (a volunteer's has none)."""
+    return {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "PYTHONHOME")}
 
 
 def _fresh_venv(tmp_path: Path, wheel: Path) -> Path:
@@ -34,18 +40,18 @@ def _fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     its own: the wheel installed --no-deps keeps the test quick. The test venv's editable hivetrain is not seen (a
     .pth line adds a folder to the path, it does not run that folder's .pth files)."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120,
+                   env=_clean_env())
     python = venv / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
-    (site / "test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Installed before the test venv is in sight: pip must not find the clone's editable hivetrain there and call
+    # the wheel installed already.
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                    "--no-index", str(wheel)], check=True, capture_output=True, timeout=300)
+                    "--no-index", "--force-reinstall", str(wheel)], check=True, capture_output=True, timeout=300,
+                   env=_clean_env())
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, env=_clean_env()).stdout.strip())
+    (site / "test-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return venv
-
-
-def _clean_env() -> dict:
-    return {name: value for name, value in os.environ.items() if name not in ("PYTHONPATH", "PYTHONHOME")}
 
 
 def test_a_wheel_installs_hivetrain_alone_and_joins_a_run(spawn, tmp_path):
