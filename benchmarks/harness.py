@@ -33,7 +33,7 @@ class Process:
     it arrives (the demo shows some of them). `prefix` runs the command inside another, e.g. `ip netns exec NAME`."""
 
     def __init__(self, args: list[str], log: Path, env: Optional[dict] = None, prefix: list[str] = (),
-                 events: Optional[Path] = None, sample_cpu: bool = False,
+                 events: Optional[Path] = None, sample_cpu: bool = False, sample_every: float = 1.0,
                  echo: Optional[Callable[[str], None]] = None):
         self.log, self.events_path, self.echo = log, events, echo
         if events is not None:  # a role appends to its events file: a run in the same folder before must not count
@@ -42,6 +42,7 @@ class Process:
         self.times: list[float] = []  # when each line arrived (time.time())
         self.exited_at: Optional[float] = None  # when the process exited (what it started may take longer)
         self.cpu: list[tuple[float, float, float]] = []  # (time, CPU seconds of the main process, of its descendants)
+        self.sample_every = sample_every
         self.started = time.time()
         self.popen = subprocess.Popen(
             [*prefix, sys.executable, *args, *(["--events", str(events)] if events is not None else [])],
@@ -111,8 +112,8 @@ class Process:
         return found[0]
 
     def _sample_cpu(self) -> None:
-        """Every second: the CPU time (user + system) of the main process and of its descendants (a peer's DHT and
-        averager processes, p2pd)."""
+        """Every `sample_every` seconds: the CPU time (user + system) of the main process and of its descendants (a
+        peer's DHT and averager processes, p2pd)."""
         import psutil
 
         with contextlib.suppress(psutil.Error):
@@ -123,7 +124,7 @@ class Process:
                     with contextlib.suppress(psutil.Error):
                         descendants += sum(child.cpu_times()[:2])
                 self.cpu.append((time.time(), main, descendants))
-                time.sleep(1.0)
+                time.sleep(self.sample_every)
 
     def cpu_between(self, start: float, end: float) -> tuple[float, float]:
         """CPU seconds of the main process and of its descendants between the first sample at or after `start` and
@@ -211,11 +212,13 @@ def start_coordinator(work: Path, name: str, options: list[str], preset: str = "
 
 
 def start_peer(work: Path, name: str, addresses: list[str], options: list[str], prefix: list[str] = (),
-               echo: Optional[Callable[[str], None]] = None, program: Sequence[str] = ("peers/join.py",)) -> Process:
+               echo: Optional[Callable[[str], None]] = None, program: Sequence[str] = ("peers/join.py",),
+               cpu_every: float = 1.0) -> Process:
     """A peer called `name` joining the swarm at `addresses`, its log and events in `work/<name>.*`; `program`: what
-    runs in place of peers/join.py, taking its arguments (a malicious peer: benchmarks/attacks.py ATTACK)."""
+    runs in place of peers/join.py, taking its arguments (a malicious peer: benchmarks/attacks.py ATTACK);
+    `cpu_every`: seconds between two samples of its CPU time."""
     return Process([*program, "--initial-peers", *addresses, "--name", name, *options], work / f"{name}.log",
-                   prefix=prefix, events=work / f"{name}.events", sample_cpu=True, echo=echo)
+                   prefix=prefix, events=work / f"{name}.events", sample_cpu=True, sample_every=cpu_every, echo=echo)
 
 
 def reached_epoch(peer: Process) -> int:

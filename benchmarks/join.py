@@ -30,6 +30,8 @@ def import_seconds(repeats: int) -> dict[str, float]:
     return seconds
 
 JOIN_RUNS = (("demo", 5), ("digits-vit-b32", 3))  # preset, peers that join
+LONE_JOINERS = 3  # a lone joiner of the tiny preset, alone with the coordinator on the idle machine, this many times
+CPU_EVERY = 0.1  # seconds between two samples of a joiner's CPU time: its CPU seconds to the first step within that
 
 
 def join_suite(work: Path, smoke: bool) -> dict:
@@ -37,9 +39,43 @@ def join_suite(work: Path, smoke: bool) -> dict:
     join one after another. For each: seconds from its process start to "Joined the swarm" (state downloaded) and to
     its first local step. A smoke run: one joiner of the tiny preset."""
     imports = import_seconds(repeats=1 if smoke else 3)  # on the idle machine, before any role starts
+    lone = lone_join_run(work, "demo", 1 if smoke else LONE_JOINERS)  # also on the idle machine: first
     runs = [join_run(work, preset, 1 if smoke else joiners) for preset, joiners in (JOIN_RUNS[:1] if smoke else
                                                                                      JOIN_RUNS)]
-    return dict(runs=runs, import_seconds=imports)
+    return dict(runs=runs, import_seconds=imports, lone=lone)
+
+
+def _joined(joiner: Process) -> dict:
+    """A joiner's seconds from its process start to its state loaded and to its first local step, and the CPU
+    seconds (its own and its processes') to that step, sampled every CPU_EVERY s."""
+    loaded = joiner.wait_for_event("state_loaded", timeout=300)
+    stepped = joiner.wait_for_event("first_step", timeout=300)
+    joiner.popen.wait(300)
+    return dict(state_loaded_s=loaded["time"] - joiner.started, first_step_s=stepped["time"] - joiner.started,
+                first_step_cpu_s=joiner.cpu_seconds(stepped["time"]), epoch=loaded["epoch"])
+
+
+def lone_join_run(work: Path, preset: str, joiners: int) -> dict:
+    """A coordinator and nothing else; peers join one after another, each alone in the swarm while it starts (the
+    state it loads is the coordinator's): what a volunteer's own machine spends to its first step."""
+    roles: list[Process] = []
+    try:
+        coordinator, addresses = start_coordinator(work, f"lone-{preset}", MONITOR_ONLY, preset)
+        roles.append(coordinator)
+        results = []
+        for index in range(joiners):
+            joiner = start_peer(work, f"lone-{preset}-joiner-{index}", addresses,
+                                ["--threads", "1", "--max-steps", "3"], cpu_every=CPU_EVERY)
+            roles.append(joiner)
+            results.append(_joined(joiner))
+            print(f"{preset} lone joiner {index}: first step after {results[-1]['first_step_s']:.1f} s and"
+                  f" {results[-1]['first_step_cpu_s']:.1f} CPU s", flush=True)
+        return dict(preset=preset, joiners=results,
+                    median_first_step_s=statistics.median(r["first_step_s"] for r in results),
+                    median_first_step_cpu_s=statistics.median(r["first_step_cpu_s"] for r in results))
+    finally:
+        for role in reversed(roles):
+            role.stop()
 
 
 def join_run(work: Path, preset: str, joiners: int) -> dict:
@@ -59,15 +95,12 @@ def join_run(work: Path, preset: str, joiners: int) -> dict:
         results = []
         for index in range(joiners):
             joiner = start_peer(work, f"join-{preset}-joiner-{index}", addresses,
-                                ["--threads", "1", "--max-steps", "3"])
+                                ["--threads", "1", "--max-steps", "3"], cpu_every=CPU_EVERY)
             roles.append(joiner)
-            loaded = joiner.wait_for_event("state_loaded", timeout=300)
-            stepped = joiner.wait_for_event("first_step", timeout=300)
-            joiner.popen.wait(300)
-            results.append(dict(state_loaded_s=loaded["time"] - joiner.started,
-                                first_step_s=stepped["time"] - joiner.started, epoch=loaded["epoch"]))
+            results.append(_joined(joiner))
             print(f"{preset} joiner {index}: state loaded after {results[-1]['state_loaded_s']:.1f} s (epoch"
-                  f" {results[-1]['epoch']}), first step after {results[-1]['first_step_s']:.1f} s", flush=True)
+                  f" {results[-1]['epoch']}), first step after {results[-1]['first_step_s']:.1f} s and"
+                  f" {results[-1]['first_step_cpu_s']:.1f} CPU s", flush=True)
         return dict(preset=preset, model=get_preset(preset).model.name, joiners=results,
                     median_state_loaded_s=statistics.median(r["state_loaded_s"] for r in results),
                     median_first_step_s=statistics.median(r["first_step_s"] for r in results))
@@ -76,14 +109,39 @@ def join_run(work: Path, preset: str, joiners: int) -> dict:
             role.stop()
 
 
+def _cpu(joiner: dict) -> str:
+    """A joiner's CPU seconds to its first step, in a table cell; records from before they were measured have none."""
+    return f" {joiner['first_step_cpu_s']:.1f} |" if "first_step_cpu_s" in joiner else ""
+
+
+def _lone_section(lone: dict) -> str:
+    """The lone joiner's table and issue 28's targets: its first step within 5 s and 4 CPU seconds."""
+    rows = "".join(f"| {i} | {r['first_step_s']:.1f} |{_cpu(r)}\n" for i, r in enumerate(lone["joiners"]))
+    wall, cpu = lone["median_first_step_s"], lone["median_first_step_cpu_s"]
+    return (
+        f"### A lone joiner (`{lone['preset']}`)\n\n"
+        "The coordinator alone on the idle machine, before the runs above; peers join one after another, each alone"
+        " in the swarm while it starts. CPU seconds: the joiner's own and its processes' (DHT, averagers, p2pd), from"
+        f" its start to its first local step, sampled every {CPU_EVERY:g} s.\n\n"
+        "| joiner | first local step (s) | CPU seconds to it |\n|---:|---:|---:|\n"
+        f"{rows}\n"
+        "Targets: a lone joiner's first step within 5 s, spending at most 4 CPU seconds. "
+        + verdict(wall <= 5, f"median {wall:.1f} s") + " "
+        + verdict(cpu <= 4, f"median {cpu:.1f} CPU s") + "\n\n"
+    )
+
+
 def join_section(result: dict, env: dict, out: Path) -> str:
-    tables = ""
+    tables = _lone_section(result["lone"]) if "lone" in result else ""
     for run in result["runs"]:
-        rows = "".join(f"| {i} | {r['epoch']} | {r['state_loaded_s']:.1f} | {r['first_step_s']:.1f} |\n"
-                       for i, r in enumerate(run["joiners"]))
+        with_cpu = all("first_step_cpu_s" in r for r in run["joiners"])
+        rows = "".join(f"| {i} | {r['epoch']} | {r['state_loaded_s']:.1f} | {r['first_step_s']:.1f} |"
+                       f"{_cpu(r) if with_cpu else ''}\n" for i, r in enumerate(run["joiners"]))
+        header = ("| joiner | joined at epoch | state loaded (s) | first local step (s) |"
+                  + (" CPU seconds to it |\n|---:|---:|---:|---:|---:|\n" if with_cpu else "\n|---:|---:|---:|---:|\n"))
         tables += (
             f"### `{run['preset']}` ({run['model']})\n\n"
-            "| joiner | joined at epoch | state loaded (s) | first local step (s) |\n|---:|---:|---:|---:|\n"
+            f"{header}"
             f"{rows}\n"
             f"Median: state loaded after {run['median_state_loaded_s']:.1f} s, first local step after"
             f" {run['median_first_step_s']:.1f} s.\n\n"

@@ -24,6 +24,8 @@ def test_join_suite_smoke():
     [run] = result["runs"]
     assert run["preset"] == "demo" and 0 < run["joiners"][0]["state_loaded_s"] <= run["joiners"][0]["first_step_s"]
     assert section.startswith("## join") and "| 0 |" in section
+    [lone] = result["lone"]["joiners"]  # a lone joiner: wall and CPU seconds to its first step
+    assert 0 < lone["first_step_cpu_s"] and 0 < lone["first_step_s"] and "### A lone joiner (`demo`)" in section
 
 
 def test_throughput_suite_smoke():
