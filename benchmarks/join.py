@@ -120,7 +120,7 @@ def _lone_section(lone: dict) -> str:
     wall, cpu = lone["median_first_step_s"], lone["median_first_step_cpu_s"]
     return (
         f"### A lone joiner (`{lone['preset']}`)\n\n"
-        "The coordinator alone on the idle machine, before the runs above; peers join one after another, each alone"
+        "The coordinator alone on the idle machine, before the runs below; peers join one after another, each alone"
         " in the swarm while it starts. CPU seconds: the joiner's own and its processes' (DHT, averagers, p2pd), from"
         f" its start to its first local step, sampled every {CPU_EVERY:g} s.\n\n"
         "| joiner | first local step (s) | CPU seconds to it |\n|---:|---:|---:|\n"
