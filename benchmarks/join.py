@@ -45,14 +45,20 @@ def join_suite(work: Path, smoke: bool) -> dict:
     return dict(runs=runs, import_seconds=imports, lone=lone)
 
 
-def _joined(joiner: Process) -> dict:
-    """A joiner's seconds from its process start to its state loaded and to its first local step, and the CPU
-    seconds (its own and its processes') to that step, sampled every CPU_EVERY s."""
+def _join_one(work: Path, name: str, addresses: list[str], roles: list[Process]) -> dict:
+    """A peer called `name` joins, takes 3 steps and leaves: its seconds from its process start to its state loaded
+    and to its first local step, and the CPU seconds (its own and its processes') to that step, sampled every
+    CPU_EVERY s."""
+    joiner = start_peer(work, name, addresses, ["--threads", "1", "--max-steps", "3"], cpu_every=CPU_EVERY)
+    roles.append(joiner)
     loaded = joiner.wait_for_event("state_loaded", timeout=300)
     stepped = joiner.wait_for_event("first_step", timeout=300)
     joiner.popen.wait(300)
-    return dict(state_loaded_s=loaded["time"] - joiner.started, first_step_s=stepped["time"] - joiner.started,
-                first_step_cpu_s=joiner.cpu_seconds(stepped["time"]), epoch=loaded["epoch"])
+    joined = dict(state_loaded_s=loaded["time"] - joiner.started, first_step_s=stepped["time"] - joiner.started,
+                  first_step_cpu_s=joiner.cpu_seconds(stepped["time"]), epoch=loaded["epoch"])
+    print(f"{name}: state loaded after {joined['state_loaded_s']:.1f} s (epoch {joined['epoch']}), first step after"
+          f" {joined['first_step_s']:.1f} s and {joined['first_step_cpu_s']:.1f} CPU s", flush=True)
+    return joined
 
 
 def lone_join_run(work: Path, preset: str, joiners: int) -> dict:
@@ -62,14 +68,7 @@ def lone_join_run(work: Path, preset: str, joiners: int) -> dict:
     try:
         coordinator, addresses = start_coordinator(work, f"lone-{preset}", MONITOR_ONLY, preset)
         roles.append(coordinator)
-        results = []
-        for index in range(joiners):
-            joiner = start_peer(work, f"lone-{preset}-joiner-{index}", addresses,
-                                ["--threads", "1", "--max-steps", "3"], cpu_every=CPU_EVERY)
-            roles.append(joiner)
-            results.append(_joined(joiner))
-            print(f"{preset} lone joiner {index}: first step after {results[-1]['first_step_s']:.1f} s and"
-                  f" {results[-1]['first_step_cpu_s']:.1f} CPU s", flush=True)
+        results = [_join_one(work, f"lone-{preset}-joiner-{index}", addresses, roles) for index in range(joiners)]
         return dict(preset=preset, joiners=results,
                     median_first_step_s=statistics.median(r["first_step_s"] for r in results),
                     median_first_step_cpu_s=statistics.median(r["first_step_cpu_s"] for r in results))
@@ -92,15 +91,7 @@ def join_run(work: Path, preset: str, joiners: int) -> dict:
             if time.monotonic() > deadline or seed.popen.poll() is not None:
                 raise RuntimeError(f"the seed peer did not reach epoch 3; see {seed.log}")
             time.sleep(0.2)
-        results = []
-        for index in range(joiners):
-            joiner = start_peer(work, f"join-{preset}-joiner-{index}", addresses,
-                                ["--threads", "1", "--max-steps", "3"], cpu_every=CPU_EVERY)
-            roles.append(joiner)
-            results.append(_joined(joiner))
-            print(f"{preset} joiner {index}: state loaded after {results[-1]['state_loaded_s']:.1f} s (epoch"
-                  f" {results[-1]['epoch']}), first step after {results[-1]['first_step_s']:.1f} s and"
-                  f" {results[-1]['first_step_cpu_s']:.1f} CPU s", flush=True)
+        results = [_join_one(work, f"join-{preset}-joiner-{index}", addresses, roles) for index in range(joiners)]
         return dict(preset=preset, model=get_preset(preset).model.name, joiners=results,
                     median_state_loaded_s=statistics.median(r["state_loaded_s"] for r in results),
                     median_first_step_s=statistics.median(r["first_step_s"] for r in results))
