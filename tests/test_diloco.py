@@ -12,7 +12,6 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds
-from hivetrain.hivemind_internals.records import announce_and_count_peers
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.swarm import DHTOptions, read_records, start_dht
@@ -205,53 +204,6 @@ def test_a_late_joiner_gets_the_outer_parameters_and_momentum(dhts):
     finally:
         if joiner is not None:
             joiner.shutdown()
-        peer.shutdown()
-
-
-def test_a_peer_serves_its_state_while_its_round_waits_for_a_group(dhts):
-    """A round in flight must not hold a download up: its group may be waiting for the very peer that downloads (the
-    second peer of a swarm loads the first one's state before its first round). The joiner gets the state the round
-    started from, which the whole group held, while the round still waits."""
-    first, second, third = dhts(3)
-    model = create_model(CONFIG.model, seed=CONFIG.seed)
-    optimizer, _ = make_optimizer(model, CONFIG.optim)
-    peer = DiLoCoRounds(first, "test_diloco", list(model.parameters()), inner_steps=1, batch_size=8, outer_lr=0.7,
-                        outer_momentum=0.9, matchmaking_time=2.0, averaging_timeout=60.0,
-                        next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
-                        overlap=True)
-    others = []
-    try:
-        for seed in range(2):  # two rounds alone: a round number and momentum of its own
-            _inner_step(model, optimizer, seed, 8)
-            peer.after_inner_step(8)
-            peer.finish_round(timeout=30)
-        assert peer.round == 2
-        # a second peer shows up in the progress records but never joins a round: the first one's round waits
-        silent = _rounds(second, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
-        others.append(silent)
-        silent.tracker.report_local_progress(2, 0)
-        deadline = time.monotonic() + 30
-        while announce_and_count_peers(second, silent.tracker) < 2 or announce_and_count_peers(first, peer.tracker) < 2:
-            assert time.monotonic() < deadline, "the first peer never saw the second"
-            time.sleep(0.2)
-        served = [t.clone() for t in peer.outer._state_tensors()]
-        _inner_step(model, optimizer, 5, 8)
-        peer.samples = 8
-        peer.start_round()
-        deadline = time.monotonic() + 10
-        while not peer.outer.round_lock.locked():  # the round has begun: its group is looked for
-            assert time.monotonic() < deadline, "the round never started"
-            time.sleep(0.05)
-        joiner = _rounds(third, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
-        others.append(joiner)
-        assert joiner.load_state_from_peers()
-        assert not peer.flight.finished.is_set()  # served while the round still waited for its group
-        assert joiner.round == 2
-        for mine, theirs in zip(joiner.outer._state_tensors(), served):
-            assert torch.equal(mine, theirs)
-    finally:
-        for other in others:
-            other.shutdown()
         peer.shutdown()
 
 
