@@ -11,7 +11,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
-from hivetrain.diloco import DiLoCoRounds
+from hivetrain.diloco import DiLoCoRounds, next_round_time
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.swarm import DHTOptions, read_records, start_dht
@@ -308,6 +308,12 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
         while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
             assert time.monotonic() < deadline, "the peers never saw each other"
             time.sleep(0.1)
+        # Each peer took its next grid time when it was built, seconds apart: a grid line between the two made their
+        # first rounds differ by one period. A peer that joins takes it afresh when it loads the swarm's state (the
+        # strategy does before the first step); these two start together, from one grid time.
+        start = next_round_time(time.time(), seconds)
+        for peer in rounds:
+            peer.next_round_at = start
         threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
         for thread in threads:
             thread.start()
