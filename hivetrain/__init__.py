@@ -36,11 +36,15 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra: no index serves the name `hivetrain`, so the extra goes on a clone or on the wheel or
+    Git address HiveTrain was installed from."""
+    return f"pip install -e '.[{extra}]' in a clone, or 'hivetrain[{extra}] @ WHEEL_OR_GIT_ADDRESS'"
+
+
 def require_extra(extra: str, *modules: str) -> None:
     """Stop with the command that fixes it when a role's optional packages are missing: HiveTrain's own install is what
-    a volunteer peer needs; the coordinator, dashboard and benchmarks come as extras (no index serves the name
-    `hivetrain`: the extra goes on a clone or on the wheel or Git address it was installed from)."""
+    a volunteer peer needs; the coordinator, dashboard and benchmarks come as extras (install_hint)."""
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        raise SystemExit(f"error: this needs {', '.join(missing)}, not installed here: pip install -e '.[{extra}]' in a"
-                         f" clone, or 'hivetrain[{extra}] @ WHEEL_OR_GIT_ADDRESS'")
+        raise SystemExit(f"error: this needs {', '.join(missing)}, not installed here: {install_hint(extra)}")

@@ -4,9 +4,9 @@ for it.
 The owner revokes a token on the coordinator's machine (`coordinator/start.py revoke-token`,
 hivetrain.roles.coordinator.tokens); the coordinator's own authorizer refuses it at once, and the coordinator
 publishes the list under `<run_id>_revoked`, signed as its rollback records are (an entry whose subkey is its
-identity key, signed with it). A peer of a private
-run reads it every few seconds (RevocationWatcher) and hands it to its authorizer, in the DHT's process, which then
-refuses every request and answer of a revoked grant's holder: that peer drops out of the honest peers' DHT.
+identity key, signed with it). A peer of a private run reads it every few seconds (RevocationWatcher) and hands it
+to its authorizer, in the DHT's process, which then refuses every request and answer of a revoked grant's holder:
+that peer drops out of the honest peers' DHT.
 
 A peer believes only the list signed by the key that signed the run record it joined with (the join command's pin):
 an entry under another key is skipped, with one warning per key that wrote one. A list names grants by their holder

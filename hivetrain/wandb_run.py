@@ -15,12 +15,14 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
+from hivetrain import install_hint
+
 logger = logging.getLogger(__name__)
 
 
 def add_wandb_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "Weights & Biases (optional: pip install 'hivetrain[wandb]'; WANDB_MODE=offline keeps the run on disk)")
+        f"Weights & Biases (optional: {install_hint('wandb')}; WANDB_MODE=offline keeps the run on disk)")
     group.add_argument("--wandb-project", default=None, metavar="NAME",
                        help="also log to this W&B project (files under <log folder>/wandb)")
     group.add_argument("--wandb-entity", default=None, metavar="NAME", help="W&B team or user (default: your login's)")
@@ -37,7 +39,7 @@ def open_wandb_run(args: argparse.Namespace, log_dir: Path, name: str, config: d
     try:
         import wandb
     except ImportError:
-        logger.warning("W&B logging is off: the wandb package is missing (pip install 'hivetrain[wandb]')")
+        logger.warning(f"W&B logging is off: the wandb package is missing ({install_hint('wandb')})")
         return None
     log_dir.mkdir(parents=True, exist_ok=True)
     logging.getLogger("wandb").propagate = False  # its own log is the run folder's debug.log, not the role's console

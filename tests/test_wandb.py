@@ -186,5 +186,6 @@ def test_without_the_wandb_package_one_warning_and_no_wandb(tmp_path, monkeypatc
     with caplog.at_level(logging.WARNING):
         assert open_wandb_run(args, tmp_path, "run", {}, "step", report=lambda line: None) is None
     assert [r.getMessage() for r in caplog.records] == [
-        "W&B logging is off: the wandb package is missing (pip install 'hivetrain[wandb]')"]
+        "W&B logging is off: the wandb package is missing (pip install -e '.[wandb]' in a clone, or"
+        " 'hivetrain[wandb] @ WHEEL_OR_GIT_ADDRESS')"]
     assert not (tmp_path / "wandb").exists()

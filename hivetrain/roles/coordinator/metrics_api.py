@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from hivetrain import install_hint
 from hivetrain.metrics_store import MetricsReader, PeerRow
 
 LABEL_LENGTH = 64  # characters of a peer's name or ID kept in a label
@@ -134,7 +135,7 @@ def make_app(store: str | Path):
     try:
         from prometheus_client import CollectorRegistry, make_wsgi_app
     except ImportError:
-        raise ImportError("--metrics-port needs prometheus-client: pip install 'hivetrain[coordinator]'") from None
+        raise ImportError(f"--metrics-port needs prometheus-client: {install_hint('coordinator')}") from None
 
     registry = CollectorRegistry(auto_describe=False)  # no describe(): the store is read at scrapes only
     registry.register(StateCollector(store))
