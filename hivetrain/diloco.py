@@ -227,6 +227,15 @@ class DiLoCoRounds:
         """The round this peer is in: an overlapped round counts once it has landed."""
         return self.flight.round if self.flight is not None else self.outer.round
 
+    def _progress_round(self) -> int:
+        """The round this peer's progress records name: its own, except while it catches up (OuterState.catching_up)
+        and the swarm's records have not reached its round yet. Its state then came from a round in flight, and it
+        names that round until the round lands: the round after it, named at once, would tell the peers that have
+        yet to take that round that they missed it (each would drop its samples and reload)."""
+        if self.outer.catching_up and self.tracker.global_epoch < self.outer.round:
+            return self.outer.round - 1
+        return self.outer.round
+
     @property
     def num_peers(self) -> int:
         return self.tracker.global_progress.num_peers
@@ -245,7 +254,7 @@ class DiLoCoRounds:
             self.outer.copy_to(self.parameters)
             self._begin_inner_steps()
             with self.tracker.pause_updates():
-                self.tracker.update_epoch(self.outer.round)
+                self.tracker.update_epoch(self._progress_round())
             self.outer.advertise_round()
             return loaded
         finally:
@@ -265,7 +274,7 @@ class DiLoCoRounds:
             self.finish_round()
             self.outer.copy_to(self.parameters)
             self._begin_inner_steps()
-            self.tracker.report_local_progress(self.outer.round, 0)
+            self.tracker.report_local_progress(self._progress_round(), 0)
             return True
         self.samples += samples
         self.inner_steps_since_round += 1
@@ -276,7 +285,7 @@ class DiLoCoRounds:
                 self.tracker.report_local_progress(self.flight.round, int(self.flight.weight) + self.samples)
                 return changed
             landed = changed = self.finish_round()  # this peer's next round is due: the last one must land first
-        self.tracker.report_local_progress(self.outer.round, self.samples)
+        self.tracker.report_local_progress(self._progress_round(), self.samples)
         if landed:
             self._maybe_schedule_round()
             return changed
@@ -366,7 +375,7 @@ class DiLoCoRounds:
                                                scheduled=self._take_scheduled())
                 self.outer.copy_to(self.parameters)
                 self._begin_inner_steps()
-                self.tracker.update_epoch(self.outer.round)
+                self.tracker.update_epoch(self._progress_round())
             self.outer.advertise_round()
         finally:
             self.swarm_seconds += time.perf_counter() - started
@@ -414,8 +423,8 @@ class DiLoCoRounds:
         self.communication_seconds += flight.seconds
         self.last_overlapped_steps = flight.inner_steps
         with self.tracker.pause_updates():
-            self.tracker.update_epoch(self.outer.round)
-        self.tracker.report_local_progress(self.outer.round, self.samples)
+            self.tracker.update_epoch(self._progress_round())
+        self.tracker.report_local_progress(self._progress_round(), self.samples)
         self.outer.advertise_round()
         self.swarm_seconds += time.perf_counter() - started
         self._count_round(flight.round, flight.result)

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 # no groupmate.
 RELAY_GATHER = "relay"
 
+# The weight (samples) of a peer's round while it catches up (OuterState.catching_up): next to a round's hundreds of
+# samples, nothing. Not zero: hivemind's mean divides by the group's total weight (NaN for a group of such peers
+# alone), and the robust reducers leave zero weights out (such a group would have no copy to reduce).
+CATCH_UP_WEIGHT = 1e-3
+
 
 def outer_state_prefix(run_id: str) -> str:
     """The averager's DHT prefix: its groups and the declarations of who serves the outer state."""
@@ -86,9 +91,17 @@ class OuterState(RobustAveraging, BoundedDownloads):
         # A round whose group was looked for ahead (schedule_round): whether the group stood ready when it fell due
         self.group_ready_when_due: Optional[bool] = None
         self.compression = compression
-        # Held for a whole round: between its local outer step and the end of its all-reduce, the state is this
-        # peer's alone, and a joiner must not download it.
+        # One round at a time: held for a whole round, the search for its group included (seconds).
         self.round_lock = threading.Lock()
+        # Held for moments only: the round number and the state tensors as one (a download, a round's steps). Between
+        # a round's local outer step and the end of its all-reduce the parameters are this peer's alone, so a joiner
+        # is served the state the round started from (round_start), which the whole group held.
+        self._state_lock = threading.Lock()
+        self._round_start: Optional[tuple[int, list[torch.Tensor]]] = None
+        # This peer holds the state a round in flight started from (a download during it), numbered for the round
+        # that follows: its next round averages at CATCH_UP_WEIGHT and takes the group's parameters, rather than
+        # pulling the group back a round with its full weight.
+        self.catching_up = False
         # The averaged tensors are the outer parameters themselves (hivemind moves them to shared memory in place).
         with keeping_sigint():
             super().__init__(averaged_tensors=self.outer_parameters, dht=dht, prefix=prefix, compression=compression,
@@ -104,10 +117,17 @@ class OuterState(RobustAveraging, BoundedDownloads):
             self.state_sharing_priority = self.round
 
     def get_current_state(self):
-        # hivemind asks the host process for the state once per download it answers (rpc_download_state)
-        with self.round_lock, self.get_tensors():  # a copy: the state may change while it is sent
+        # hivemind asks the host process for the state once per download it answers (rpc_download_state). It must
+        # not wait for a round in flight: that round's group may be waiting for this very joiner (a second peer that
+        # loads the first one's state before its first round), and an overlapped peer has a round in flight nearly
+        # all the time. Copies: the state may change while it is sent.
+        with self._state_lock:
             self.states_served += 1
-            return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
+            if self._round_start is not None:
+                round_, start = self._round_start
+                return dict(round=round_, in_flight=True), [t.clone() for t in (*start, *self.momentum)], None
+            with self.get_tensors():
+                return dict(round=self.round), [t.clone() for t in self._state_tensors()], None
 
     def set_state(self, round_: int, tensors: Sequence[torch.Tensor]) -> bool:
         """Take a state (from a peer or a checkpoint) after checking it: a round number, one tensor of the right shape
@@ -118,14 +138,25 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 or not all(torch.isfinite(t).all() for t in tensors)):
             logger.warning("Skipping a malformed outer state")
             return False
-        with self.get_tensors(), torch.no_grad():
+        with self._state_lock, self.get_tensors(), torch.no_grad():
             for m, t in zip(mine, tensors):
                 m.copy_(t)
-            self.round = round_
+            self.round, self.catching_up = round_, False
         return True
 
-    def load_from_peers(self, timeout: Optional[float] = None) -> bool:
-        """Take the newest outer state another peer serves; True when one was loaded."""
+    def load_from_peers(self, timeout: Optional[float] = None, join_in_flight: bool = True) -> bool:
+        """Take the newest outer state another peer serves; True when one was loaded.
+
+        A holder whose round is in flight serves the state that round started from (round r), which its whole group
+        held. A trainer (`join_in_flight`) takes it as round r + 1, the round the swarm is finishing, and catches up
+        at its next round (catching_up): in a robust run, whose groups hold peers of one round only, a state of
+        round r would leave it a round behind the swarm for good, each reload again landing mid-round. The
+        coordinator's holder, which trains nothing and serves what it holds, takes it as round r.
+
+        Args:
+            timeout: seconds to wait for each next part of the state.
+            join_in_flight: take a state served mid-round as the round that follows it, catching up.
+        """
         try:
             loaded = self.load_state_from_peers(timeout=timeout)
         except Exception as e:  # a peer that vanished mid-download, a timeout
@@ -134,7 +165,15 @@ class OuterState(RobustAveraging, BoundedDownloads):
         if loaded is None:
             return False
         metadata, tensors = loaded  # its round within the bound (BoundedDownloads)
-        return self.set_state(metadata.get("round") if isinstance(metadata, dict) else None, tensors)
+        metadata = metadata if isinstance(metadata, dict) else {}
+        round_, in_flight = metadata.get("round"), metadata.get("in_flight") is True and join_in_flight
+        if not self.set_state(round_ + 1 if in_flight and isinstance(round_, int) else round_, tensors):
+            return False
+        if in_flight:
+            self.catching_up = True
+            logger.info(f"Loaded the state of outer round {round_}, whose round was in flight: this peer takes round"
+                        f" {self.round} with the swarm, catching up (its own steps weigh nothing in it)")
+        return True
 
     def _robust_group(self, round_: int) -> None:
         if self.aggregation is not None:
@@ -183,50 +222,70 @@ class OuterState(RobustAveraging, BoundedDownloads):
     def _outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float, timeout: Optional[float],
                     after_own_step: Optional[Callable[[], None]], scheduled: Optional[StepControl]) -> Optional[bool]:
         lr, m = self.outer_lr, self.outer_momentum
-        with self.get_tensors(), torch.no_grad():
-            anchors, squares = [], 0.0
+        with self._state_lock, self.get_tensors(), torch.no_grad():
+            start, squares = [], 0.0  # the outer parameters the round starts from: served while it is in flight
             for index, (outer, local) in enumerate(zip(self.outer_parameters, local_parameters)):
+                start.append(outer.clone())
                 pseudo_gradient = outer - local.detach().to("cpu", torch.float32)
                 squares += float(torch.linalg.vector_norm(pseudo_gradient)) ** 2
-                anchor = outer.sub(self.momentum[index], alpha=lr * m * m) if m else outer.clone()
-                outer.copy_(anchor).sub_(pseudo_gradient, alpha=lr * (1 + m))
-                anchors.append(anchor)
+                if m:
+                    outer.sub_(self.momentum[index], alpha=lr * m * m)  # the anchor
+                outer.sub_(pseudo_gradient, alpha=lr * (1 + m))
+            started_round, self.round = self.round, self.round + 1
+            self._round_start = (started_round, start)
+            catching_up, self.catching_up = self.catching_up, False
+        if catching_up and timeout is not None:
+            weight = CATCH_UP_WEIGHT
         self.last_pseudo_gradient_norm, self.last_group_size, self.last_groupmates = squares ** 0.5, 1, []
-        started_round, self.round = self.round, self.round + 1
-        if after_own_step is not None:
-            after_own_step()
         averaged, self.group_ready_when_due = False, None
-        if timeout is None and scheduled is not None:
-            scheduled.cancel()
-        if timeout is not None:
-            try:
-                if scheduled is not None:
-                    self.group_ready_when_due = scheduled.stage == AveragingStage.AWAITING_TRIGGER
-                    scheduled.weight = weight
-                    scheduled.allow_allreduce()
-                    gathered = scheduled.result()
-                else:
-                    self._robust_group(started_round)
-                    # Retries until `timeout`: the others notice that the round is due at their next look at the
-                    # swarm's progress, and a slow peer after its current step.
-                    gathered = self.step(weight=weight, timeout=timeout, gather=started_round)
-            except Exception as e:  # no group, a groupmate that vanished mid-round
-                logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
-                gathered = None
-            if gathered is not None:
-                # the coordinator, when it relayed the round, brought no parameters: no groupmate
-                trainers = {peer: value for peer, value in gathered.items() if value != RELAY_GATHER}
-                # Groupmates that came from a later round bring this peer's round number up with their parameters;
-                # a round beyond the coordinator's clock (hivetrain.clock) is a groupmate's word against it, skipped.
-                self.round = max([started_round, *self._usable_rounds(trainers.values())]) + 1
-                averaged, self.last_group_size = len(trainers) > 1, len(trainers)
-                self.last_groupmates = [peer.to_bytes() for peer in trainers if peer != self.peer_id]
-        with self.get_tensors(), torch.no_grad():  # the momentum takes the (averaged) pseudo-gradient
-            for outer, anchor, buffer in zip(self.outer_parameters, anchors, self.momentum):
+        try:
+            gathered = self._average_own_step(started_round, weight, timeout, after_own_step, scheduled)
+        except BaseException:
+            with self._state_lock:
+                self._round_start = None  # the round broke off: downloads get what the parameters hold now
+            raise
+        ended_round = started_round + 1
+        if gathered is not None:
+            # the coordinator, when it relayed the round, brought no parameters: no groupmate
+            trainers = {peer: value for peer, value in gathered.items() if value != RELAY_GATHER}
+            # Groupmates that came from a later round bring this peer's round number up with their parameters; a
+            # round beyond the coordinator's clock (hivetrain.clock) is a groupmate's word against it, skipped.
+            ended_round = max([started_round, *self._usable_rounds(trainers.values())]) + 1
+            averaged, self.last_group_size = len(trainers) > 1, len(trainers)
+            self.last_groupmates = [peer.to_bytes() for peer in trainers if peer != self.peer_id]
+        with self._state_lock, self.get_tensors(), torch.no_grad():  # the momentum takes the averaged pseudo-gradient
+            for outer, anchor, buffer in zip(self.outer_parameters, start, self.momentum):
+                anchor.sub_(buffer, alpha=lr * m * m)  # the anchor, as the outer step took it
                 buffer.mul_(m).add_(anchor.sub_(outer), alpha=1 / (lr * (1 + m)))
+            self.round, self._round_start = ended_round, None
         if timeout is not None and gathered is None:
             return None
         return averaged
+
+    def _average_own_step(self, started_round: int, weight: float, timeout: Optional[float],
+                          after_own_step: Optional[Callable[[], None]],
+                          scheduled: Optional[StepControl]) -> Optional[dict[Any, Any]]:
+        """The round's all-reduce of the outer parameters (holding this peer's own step) with its group: what each
+        groupmate gathered, or None (alone, no group, a groupmate that vanished)."""
+        if after_own_step is not None:
+            after_own_step()
+        if timeout is None:
+            if scheduled is not None:
+                scheduled.cancel()
+            return None
+        try:
+            if scheduled is not None:
+                self.group_ready_when_due = scheduled.stage == AveragingStage.AWAITING_TRIGGER
+                scheduled.weight = weight
+                scheduled.allow_allreduce()
+                return scheduled.result()
+            self._robust_group(started_round)
+            # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
+            # progress, and a slow peer after its current step.
+            return self.step(weight=weight, timeout=timeout, gather=started_round)
+        except Exception as e:  # no group, a groupmate that vanished mid-round
+            logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
+            return None
 
     def _usable_rounds(self, gathered: Iterable[Any]) -> list[int]:
         bound, usable = self.epoch_bound(), []

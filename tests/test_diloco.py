@@ -12,6 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds, next_round_time
+from hivetrain.hivemind_internals.records import announce_and_count_peers
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.swarm import DHTOptions, read_records, start_dht
@@ -205,6 +206,106 @@ def test_a_late_joiner_gets_the_outer_parameters_and_momentum(dhts):
         if joiner is not None:
             joiner.shutdown()
         peer.shutdown()
+
+
+def test_a_peer_serves_its_state_while_its_round_waits_for_a_group(dhts):
+    """A round in flight must not hold a download up: its group may be waiting for the very peer that downloads (the
+    second peer of a swarm loads the first one's state before its first round). The joiner gets the state the round
+    started from, which the whole group held, while the round still waits. It takes it as the round that follows,
+    catching up, and names the round in flight in its progress records until the swarm's records show it landed."""
+    first, second, third = dhts(3)
+    model = create_model(CONFIG.model, seed=CONFIG.seed)
+    optimizer, _ = make_optimizer(model, CONFIG.optim)
+    peer = DiLoCoRounds(first, "test_diloco", list(model.parameters()), inner_steps=1, batch_size=8, outer_lr=0.7,
+                        outer_momentum=0.9, matchmaking_time=2.0, averaging_timeout=60.0,
+                        next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
+                        overlap=True)
+    others = []
+    try:
+        for seed in range(2):  # two rounds alone: a round number and momentum of its own
+            _inner_step(model, optimizer, seed, 8)
+            peer.after_inner_step(8)
+            peer.finish_round(timeout=30)
+        assert peer.round == 2
+        # a second peer shows up in the progress records but never joins a round: the first one's round waits
+        silent = _rounds(second, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
+        others.append(silent)
+        silent.tracker.report_local_progress(2, 0)
+        deadline = time.monotonic() + 30
+        while announce_and_count_peers(second, silent.tracker) < 2 or announce_and_count_peers(first, peer.tracker) < 2:
+            assert time.monotonic() < deadline, "the first peer never saw the second"
+            time.sleep(0.2)
+        served = [t.clone() for t in peer.outer._state_tensors()]
+        _inner_step(model, optimizer, 5, 8)
+        peer.samples = 8
+        peer.start_round()
+        deadline = time.monotonic() + 10
+        while not peer.outer.round_lock.locked():  # the round has begun: its group is looked for
+            assert time.monotonic() < deadline, "the round never started"
+            time.sleep(0.05)
+        joiner = _rounds(third, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
+        others.append(joiner)
+        assert joiner.load_state_from_peers()
+        assert not peer.flight.finished.is_set()  # served while the round still waited for its group
+        assert joiner.round == 3 and joiner.outer.catching_up
+        for mine, theirs in zip(joiner.outer._state_tensors(), served):
+            assert torch.equal(mine, theirs)
+        # its records name round 2, in flight: round 3 would tell the silent peer, still at 2, that it missed it
+        assert joiner.tracker.local_progress.epoch == 2
+        silent.tracker.report_local_progress(3, 8)  # with samples: hivemind publishes no idle peer's record
+        deadline = time.monotonic() + 30
+        while joiner.tracker.global_epoch < 3:
+            assert time.monotonic() < deadline, "the joiner never saw the swarm's round 3"
+            time.sleep(0.2)
+        joiner.after_inner_step(8)
+        assert joiner.tracker.local_progress.epoch == 3
+    finally:
+        for other in others:
+            other.shutdown()
+        peer.shutdown()
+
+
+def test_a_peer_catching_up_takes_the_groups_parameters_at_a_token_weight(dhts):
+    """A peer that loaded a state mid-round holds the parameters a round old (OuterState.catching_up): its next round
+    averages at CATCH_UP_WEIGHT, so the group ends where the current peer's own step alone takes it, and both hold
+    the same parameters after it."""
+    batch, lr, momentum = 8, 0.7, 0.9
+    models = [create_model(CONFIG.model, seed=CONFIG.seed) for _ in range(2)]
+    optimizers = [make_optimizer(model, CONFIG.optim)[0] for model in models]
+    current, behind = rounds = [_rounds(dht, model, 1, batch, lr, momentum) for dht, model in zip(dhts(2), models)]
+    try:
+        outer0 = _flat(models[0].parameters())
+        with torch.no_grad():  # the peer behind holds other (older) outer parameters, as after a mid-round download
+            for parameter in behind.outer.outer_parameters:
+                parameter.add_(0.05)
+        behind.outer.copy_to(behind.parameters)
+        behind.outer.catching_up = True
+        for index, (model, optimizer, peer) in enumerate(zip(models, optimizers, rounds)):
+            _inner_step(model, optimizer, index, batch)
+            peer.samples = batch
+            peer.tracker.report_local_progress(0, batch)
+        deadline = time.monotonic() + 30
+        while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
+            assert time.monotonic() < deadline, "the peers never saw each other"
+            time.sleep(0.2)
+        own = outer0 - _flat(models[0].parameters())
+        expected = outer0 - lr * (1 + momentum) * own  # the current peer's own step, from a zero momentum buffer
+
+        threads = [threading.Thread(target=peer.run_round) for peer in rounds]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert [peer.rounds_averaged for peer in rounds] == [1, 1], [(p.rounds_alone, p.rounds_failed) for p in rounds]
+        assert not behind.outer.catching_up
+        for model in models:
+            torch.testing.assert_close(_flat(model.parameters()), expected, rtol=0, atol=1e-4)
+        # hivemind's all-reduce hands each peer its own value plus the delta to the average: equal up to rounding
+        torch.testing.assert_close(_flat(current.outer.outer_parameters), _flat(behind.outer.outer_parameters),
+                                   rtol=0, atol=1e-6)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
 
 
 def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_meanwhile(dhts):

@@ -204,9 +204,11 @@ class OuterStateHolder:
         self.outer.allow_state_sharing = True
 
     def load_from_peers(self) -> bool:
-        """Download the newest outer state; True when it is of a newer round than the one held."""
+        """Download the newest outer state; True when it is of a newer round than the one held. A state served
+        while its holder's round was in flight is held as the round it is (OuterState.load_from_peers): the holder
+        serves it to joiners, who must not take it for the next round's."""
         before = self.epoch
-        if self.outer.load_from_peers(timeout=self.load_timeout) and self.epoch > before:
+        if self.outer.load_from_peers(timeout=self.load_timeout, join_in_flight=False) and self.epoch > before:
             self.outer.copy_to(list(self.model.parameters()))
             self._offer()
             return True
