@@ -11,12 +11,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from hivemind import DHT
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
 from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
 from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
+from hivetrain.swarm_options import wire_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +315,7 @@ class OuterState(RobustAveraging, BoundedDownloads):
     @property
     def _tensor_bytes(self) -> int:
         """The averaged tensors' size on the wire under this averager's compression."""
-        per_value = 2 if isinstance(self.compression, Float16Compression) else 1 if isinstance(
-            self.compression, Uniform8BitQuantization) else 4
-        return sum(p.numel() for p in self.outer_parameters) * per_value
+        return wire_bytes(sum(p.numel() for p in self.outer_parameters), self.compression)
 
     def copy_to(self, local_parameters: Sequence[torch.Tensor]) -> None:
         with self.get_tensors(), torch.no_grad():

@@ -19,6 +19,13 @@ COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
 }
 
 
+def wire_bytes(values: int, compression: CompressionBase) -> int:
+    """What `values` float32 numbers take on the wire under `compression`, estimated (the payload only)."""
+    per_value = 2 if isinstance(compression, Float16Compression) else 1 if isinstance(
+        compression, Uniform8BitQuantization) else 4
+    return values * per_value
+
+
 @dataclass
 class HivemindOptions:
     run_id: str

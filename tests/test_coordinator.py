@@ -68,13 +68,12 @@ def test_resume_refuses_a_damaged_or_foreign_checkpoint(spawn, tmp_path):
         assert not log_dir.exists()  # no store, no checkpoints folder: the run was not touched
 
 
-def test_the_status_line_says_when_no_peer_can_lead_a_sync_round():
-    def line(alive: int, clients: int, mode: str) -> str:
-        return status_line(SwarmSnapshot(0.0, 3, alive, clients, 100.0, 64, 128, None, None), 0.1, mode)
+def test_the_status_line_counts_the_peers_in_client_mode():
+    def line(alive: int, clients: int) -> str:
+        return status_line(SwarmSnapshot(0.0, 3, alive, clients, 100.0, 64, 128, None, None), 0.1)
 
-    assert "nobody can lead" in line(2, 2, "sync")
-    # one reachable peer leads the rounds; a lone peer has no round; diloco rounds are relayed
-    # (hivetrain.roles.coordinator.relay)
-    assert "(1 in client mode)" in line(2, 1, "sync")
-    assert "(1 in client mode)" in line(1, 1, "sync")
-    assert "(2 in client mode)" in line(2, 2, "diloco")
+    # with every peer in client mode the coordinator leads their rounds (hivetrain.roles.coordinator.relay)
+    assert "| 2 peers (2 in client mode) |" in line(2, 2)
+    assert "| 2 peers (1 in client mode) |" in line(2, 1)
+    assert "| 1 peer (1 in client mode) |" in line(1, 1)
+    assert "client mode" not in line(2, 0)

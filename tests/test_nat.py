@@ -73,3 +73,28 @@ def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn
     assert any(same_parameters(rounds["first"][r]["probe"], rounds["second"][r]["probe"]) for r in together), rounds
     relayed = [event for event in coordinator.events("relayed") if event["trainers"] == 2]
     assert len(relayed) >= len(together), relayed
+
+
+def test_two_sync_peers_behind_nat_average_their_gradients_through_the_coordinator(spawn, tmp_path, nat, second_nat):
+    """Sync mode: each swarm epoch's gradient all-reduce needs a peer that can be dialled to lead its group. The
+    coordinator leads it, reducing every part with nothing of its own, and the two peers step on the same averaged
+    gradients: in step (the same parameters) at the epochs both reached, missing no round."""
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "sync",
+                                               "--host", nat.host_ip, "--refresh", "1",
+                                               events=tmp_path / "coordinator.events")
+    peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
+                         "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
+                         events=tmp_path / f"{name}.events")
+             for name, network in (("first", nat), ("second", second_nat))}
+    for name, peer in peers.items():
+        assert peer.wait(timeout=300) == 0, peer.log
+        assert next(line for line in peer.lines if line.startswith("Joined run")).endswith("client mode"), name
+    epochs = {name: {event["epoch"]: event for event in peer.events("epoch")} for name, peer in peers.items()}
+    both = sorted(set(epochs["first"]) & set(epochs["second"]))
+    assert both, epochs
+    assert all(same_parameters(epochs["first"][e]["probe"], epochs["second"][e]["probe"]) for e in both), epochs
+    # averaged, not reloaded: a peer that misses a round loads the coordinator's state (the same for both, too)
+    left = {name: peer.event("left") for name, peer in peers.items()}
+    assert all(event["missed_rounds"] <= 1 for event in left.values()), left
+    relayed = [event for event in coordinator.events("relayed") if event["trainers"] == 2]
+    assert len(relayed) >= ROUNDS - 2, relayed

@@ -1,12 +1,15 @@
-"""The coordinator's part in the outer rounds of peers that nobody can dial.
+"""The coordinator's part in the averaging rounds of peers that nobody can dial.
 
 hivemind's averager joins only groups that a dialable peer leads: a peer behind NAT averages in client mode, as a
-follower. In a diloco swarm of such peers alone (friends on Colab and Kaggle, home machines) nobody leads, every
-round finds no group, and each peer only ever takes its own outer steps. So while every trainer in the progress
-records is in client mode, the coordinator's outer-state averager (the state holder's, on the same prefix) takes part
-in each round as hivemind's auxiliary peer: it leads the group and reduces every part of the all-reduce, with no
-weight and no tensors of its own, the run's robust aggregation applied as on any reducer. It gathers RELAY_GATHER,
-which the peers do not count as a groupmate (OuterState).
+follower. In a swarm of such peers alone (friends on Colab and Kaggle, home machines) nobody leads, and every round
+finds no group: a diloco peer only ever takes its own outer steps, and a sync peer misses each swarm epoch's gradient
+all-reduce (and reloads the swarm's state instead). So while every trainer in the progress records is in client mode,
+the coordinator takes part in each round as hivemind's auxiliary peer: it leads the group and reduces every part of
+the all-reduce, with no weight and no tensors of its own, the run's robust aggregation applied as on any reducer.
+
+- diloco (RoundRelay): the state holder's outer-state averager, on the peers' prefix. It gathers RELAY_GATHER, which
+  the peers do not count as a groupmate (OuterState).
+- sync (GradientRelay): an auxiliary averager answering as the peers' hivemind GradientAverager, on its prefix.
 
 Its search for the group starts when the round comes due by the records, as the peers' own do, and lasts the run's
 matchmaking time: the peers that notice the round within it average together. Rounds paced in seconds fall due on
@@ -18,15 +21,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import psutil
+import torch
+from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 
+from hivetrain.config import RunConfig
 from hivetrain.diloco import group_time, next_round_time
 from hivetrain.events import EventLog
+from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, members_only_class, named_for_rpc_as,
+                                          robust_averager_class)
 from hivetrain.outer_state import RELAY_GATHER, OuterState
-from hivetrain.swarm import read_records
+from hivetrain.robust import RobustAggregation
+from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint, read_records
+from hivetrain.swarm_options import COMPRESSION, wire_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +50,76 @@ def print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-class RoundRelay:
-    """Leads the outer rounds of a swarm whose trainers are all in client mode, in a thread of its own.
+class Relay:
+    """Watches the progress records in a thread of its own, and relays each round that falls due while every trainer
+    is in client mode (`_due`, `_relay`: the mode's own).
+
+    Args:
+        averager: the coordinator's auxiliary averager (it contributes nothing to a round).
+        progress_key: the DHT key of the peers' progress records.
+        averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
+        epoch_bound: the highest round a record may name (hivetrain.clock); records beyond it are left out.
+        events: where each relayed round is told (`relayed`).
+        report: the coordinator's console, told when relaying starts and stops.
+    """
+
+    what = "rounds"  # what it relays, in its console lines
+
+    def __init__(self, averager: DecentralizedAverager, progress_key: str, averaging_timeout: float,
+                 epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
+                 report: Callable[[str], None] = print_flushed):
+        self.averager, self.progress_key, self.averaging_timeout = averager, progress_key, averaging_timeout
+        self.epoch_bound, self.events, self.report = epoch_bound, events, report
+        self._relaying = False  # the last look found only peers in client mode
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{self.what} relay", daemon=True)
+
+    def start(self) -> Relay:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.averaging_timeout + 5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOOK_EVERY if self._relaying else IDLE_LOOK_EVERY):
+            try:
+                records = self._trainers_behind_nat()
+                due = self._due(records) if records else None
+                if due is not None:
+                    self._relay(*due)
+            except Exception as e:  # a DHT read or a round that broke: the next look tries again
+                logger.warning(f"Relaying {self.what} failed: {type(e).__name__}: {e}")
+
+    def _trainers_behind_nat(self) -> list[LocalTrainingProgress]:
+        """The trainers' progress records (within the coordinator's clock) when they are two or more and all in client
+        mode; none otherwise. Tells the console when that changes."""
+        records = read_records(self.averager.dht, self.progress_key, LocalTrainingProgress)
+        bound = self.epoch_bound()
+        records = [record for record in records if bound is None or record.epoch <= bound]
+        relaying = len(records) >= 2 and all(record.client_mode for record in records)
+        if relaying != self._relaying:
+            self._relaying = relaying
+            self.report(f"Relaying {self.what}: every trainer is behind NAT (client mode), so this coordinator leads"
+                        f" their groups" if relaying else f"No longer relaying {self.what}: a trainer that can be"
+                        f" dialled leads them, or fewer than two train")
+        return records if relaying else []
+
+    def _due(self, records: list[LocalTrainingProgress]) -> Optional[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def _relay(self, *due: Any) -> None:
+        raise NotImplementedError
+
+    def _averager_cpu_seconds(self) -> float:
+        """CPU time of the averager's own process (hivemind runs each averager in a child process) so far."""
+        times = psutil.Process(self.averager.pid).cpu_times()
+        return times.user + times.system
+
+
+class RoundRelay(Relay):
+    """Leads the outer rounds of a diloco swarm whose trainers are all in client mode.
 
     Args:
         outer: the coordinator's OuterState, created auxiliary (it contributes nothing to a round).
@@ -54,50 +134,20 @@ class RoundRelay:
         report: the coordinator's console, told when relaying starts and stops.
     """
 
+    what = "outer rounds"
+
     def __init__(self, outer: OuterState, progress_key: str, samples_per_peer: int, averaging_timeout: float,
                  robust: bool, events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed,
                  round_seconds: Optional[float] = None, matchmaking_time: float = 0.0):
-        self.outer, self.progress_key, self.samples_per_peer = outer, progress_key, samples_per_peer
+        super().__init__(outer, progress_key, averaging_timeout, lambda: outer.epoch_bound(), events, report)
+        self.outer, self.samples_per_peer, self.robust = outer, samples_per_peer, robust
         self.round_seconds, self.matchmaking_time = round_seconds, matchmaking_time
         self._last_time: Optional[float] = None  # rounds paced in seconds: the grid time last relayed (or tried)
-        self.averaging_timeout, self.robust, self.events, self.report = averaging_timeout, robust, events, report
-        self._relaying = False  # the last look found only peers in client mode
         self._last_round: Optional[int] = None  # the last round relayed (or tried)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="round relay", daemon=True)
 
-    def start(self) -> RoundRelay:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.averaging_timeout + 5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(LOOK_EVERY if self._relaying else IDLE_LOOK_EVERY):
-            try:
-                due = self._due_round()
-                if due is not None:
-                    self._relay(*due)
-            except Exception as e:  # a DHT read or a round that broke: the next look tries again
-                logger.warning(f"Relaying an outer round failed: {type(e).__name__}: {e}")
-
-    def _due_round(self) -> Optional[tuple[int, Optional[float]]]:
-        """The round to relay now, and when it is due when it is paced in seconds: all trainers are in client mode,
-        two or more, and their samples for their newest round (within the coordinator's clock) reach the target, or
-        the round's time on the grid is a matchmaking time away. None otherwise."""
-        records = read_records(self.outer.dht, self.progress_key, LocalTrainingProgress)
-        bound = self.outer.epoch_bound()
-        records = [record for record in records if bound is None or record.epoch <= bound]
-        relaying = len(records) >= 2 and all(record.client_mode for record in records)
-        if relaying != self._relaying:
-            self._relaying = relaying
-            self.report("Relaying outer rounds: every trainer is behind NAT (client mode), so this coordinator leads"
-                        " their groups" if relaying else "No longer relaying outer rounds: a trainer that can be"
-                        " dialled leads them, or fewer than two train")
-        if not relaying:
-            return None
+    def _due(self, records: list[LocalTrainingProgress]) -> Optional[tuple[int, Optional[float]]]:
+        """The round to relay now, and when it is due when it is paced in seconds: the trainers' samples for their
+        newest round reach the target, or the round's time on the grid is a matchmaking time away. None otherwise."""
         round_ = max(record.epoch for record in records)
         if self.round_seconds:
             now = time.time()
@@ -125,7 +175,83 @@ class RoundRelay:
         self.events("relayed", round=round_, trainers=trainers, seconds=time.perf_counter() - started,
                     cpu_seconds=self._averager_cpu_seconds() - cpu_before, bytes=self.outer.relayed_bytes(trainers))
 
-    def _averager_cpu_seconds(self) -> float:
-        """CPU time of the averager's own process (hivemind runs each averager in a child process) so far."""
-        times = psutil.Process(self.outer.pid).cpu_times()
-        return times.user + times.system
+
+@named_for_rpc_as(GradientAverager)  # the peers' gradient averagers call it by hivemind's name
+class RelayedGradients(DecentralizedAverager):
+    """An auxiliary averager of a sync run's gradients, for GradientRelay: tensors of the gradients' shapes, which it
+    only reduces (hivemind's auxiliary mode sends none of its own)."""
+
+
+class GradientRelay(Relay):
+    """Leads the gradient all-reduce of a sync swarm whose trainers are all in client mode: one round per swarm
+    epoch, once the trainers' samples for their newest epoch reach the run's target batch (hivemind.Optimizer's own
+    rule for the epoch's end). Built by `for_run`.
+
+    Args:
+        averager: an auxiliary averager on the peers' gradient prefix (for_run's).
+        progress_key: the DHT key of the peers' progress records (hivemind.Optimizer's tracker's).
+        target_batch_size: samples the swarm accumulates per swarm epoch.
+        averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
+        gradient_bytes: the gradients' size on the wire (the run's gradient compression).
+        epoch_bound: the highest epoch a record may name (hivetrain.clock).
+        events: where each relayed round is told (`relayed`, its `round` the swarm epoch).
+        report: the coordinator's console, told when relaying starts and stops.
+    """
+
+    what = "gradient rounds"
+
+    def __init__(self, averager: DecentralizedAverager, progress_key: str, target_batch_size: int,
+                 averaging_timeout: float, gradient_bytes: int, epoch_bound: Callable[[], Optional[int]] = lambda: None,
+                 events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed):
+        super().__init__(averager, progress_key, averaging_timeout, epoch_bound, events, report)
+        self.target_batch_size, self.gradient_bytes = target_batch_size, gradient_bytes
+        self._last_epoch: Optional[int] = None  # the last epoch relayed (or tried)
+
+    @classmethod
+    def for_run(cls, dht: DHT, config: RunConfig, param_groups: list[dict],
+                epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
+                report: Callable[[str], None] = print_flushed) -> GradientRelay:
+        """The relay of a sync run, its averager on the prefix and with the matchmaking of the peers' gradient
+        averagers (hivemind.Optimizer's, as hivetrain.swarm_optimizer builds it), over tensors of their gradients'
+        shapes and order (every parameter of the optimizer's param groups), robust when the run is."""
+        swarm = config.swarm
+        gradients = [torch.zeros_like(param, device="cpu") for group in param_groups for param in group["params"]]
+        aggregation = RobustAggregation.for_swarm(swarm)
+        if aggregation is not None:  # it leads the group and brings no copy: the copies must still be enough
+            averager_class, robust = robust_averager_class(RelayedGradients), dict(
+                aggregation=aggregation, min_group_size=MIN_ROBUST_GROUP_SIZE + 1)
+        else:
+            averager_class, robust = members_only_class(RelayedGradients), {}
+        compression = COMPRESSION[swarm.grad_compression]()
+        with keeping_sigint():
+            averager = averager_class(
+                averaged_tensors=gradients, dht=dht, prefix=f"{config.run_id}_grad_averager", auxiliary=True,
+                min_matchmaking_time=swarm.matchmaking_time, request_timeout=min(3.0, swarm.matchmaking_time / 2),
+                allreduce_timeout=swarm.averaging_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
+                compression=compression, declare_state_period=RECORD_LIFETIME, start=True,
+                **group_matchmaking(swarm.target_group_size), **robust)
+        return cls(averager, f"{config.run_id}_progress", swarm.target_batch_size, swarm.averaging_timeout,
+                   wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report)
+
+    def _due(self, records: list[LocalTrainingProgress]) -> Optional[tuple[int]]:
+        epoch = max(record.epoch for record in records)
+        samples = sum(record.samples_accumulated for record in records if record.epoch == epoch)
+        if epoch == self._last_epoch or samples < self.target_batch_size:
+            return None
+        return (epoch,)
+
+    def _relay(self, epoch: int) -> None:
+        self._last_epoch = epoch
+        started, cpu_before = time.perf_counter(), self._averager_cpu_seconds()
+        try:
+            gathered = self.averager.step(timeout=self.averaging_timeout)
+        except Exception as e:  # no peer came, a groupmate that vanished mid-round
+            logger.info(f"Relaying the gradients of swarm epoch {epoch} found no group: {type(e).__name__}: {e}")
+            gathered = None
+        trainers = 0 if gathered is None else sum(peer != self.averager.peer_id for peer in gathered)
+        self.events("relayed", round=epoch, trainers=trainers, seconds=time.perf_counter() - started,
+                    cpu_seconds=self._averager_cpu_seconds() - cpu_before, bytes=2 * trainers * self.gradient_bytes)
+
+    def stop(self) -> None:
+        super().stop()
+        self.averager.shutdown()

@@ -216,17 +216,14 @@ def run_config(args: argparse.Namespace):
     return config.replace(optim=dataclasses.replace(config.optim, **schedule)) if schedule else config
 
 
-def status_line(snapshot, looked_seconds: float, mode: str) -> str:
-    """What the coordinator prints after each look at the swarm of a `mode` run; how long the look took shows when the
-    monitor starts to lag behind a large swarm."""
+def status_line(snapshot, looked_seconds: float) -> str:
+    """What the coordinator prints after each look at the swarm; how long the look took shows when the monitor starts
+    to lag behind a large swarm. Peers in client mode are counted: when all are, the coordinator leads their rounds
+    (hivetrain.roles.coordinator.relay, which says so once)."""
     looked = f" | looked in {looked_seconds:.2f} s"
     if not snapshot.alive_peers:
         return f"swarm epoch {snapshot.epoch} | waiting for peers{looked}"
     clients = f" ({snapshot.clients} in client mode)" if snapshot.clients else ""
-    if mode == "sync" and snapshot.alive_peers > 1 and snapshot.clients == snapshot.alive_peers:
-        # hivemind groups form around a peer that can be dialled; the coordinator relays diloco rounds only
-        clients = (" (all in client mode: nobody can lead their averaging rounds; one volunteer must be reachable,"
-                   " or run --mode diloco)")
     eta = f", next in ~{snapshot.eta_seconds:.0f} s" if snapshot.eta_seconds is not None else ""
     loss = f" | loss {snapshot.mean_loss:.3f}" if snapshot.mean_loss is not None else ""
     return (f"swarm epoch {snapshot.epoch} | {snapshot.alive_peers} peer{'s' if snapshot.alive_peers > 1 else ''}"
@@ -475,7 +472,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                 snapshot = monitor.refresh()
                 publish_clock(dht, config.run_id, snapshot.epoch)  # the bound on what the peers may claim
                 looked = time.perf_counter() - look_started
-                say(status_line(snapshot, looked, config.swarm.mode))
+                say(status_line(snapshot, looked))
                 events("look", epoch=snapshot.epoch, seconds=looked, states_served=holder.states_served)
                 if validation is not None and validation.ident is None:
                     validation.start()  # after the first look: it needs to know where the swarm is

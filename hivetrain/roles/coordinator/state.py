@@ -2,8 +2,8 @@
 hivemind peer: StateHolder for sync runs, OuterStateHolder for diloco runs (outer parameters, outer momentum, round).
 
 It never trains: it downloads the newest state from the volunteers when asked, and serves what it holds to joiners.
-In a diloco run whose trainers nobody can dial, it also leads their outer rounds without a part of its own
-(hivetrain.roles.coordinator.relay). So the state survives when every volunteer has left, and `--resume` starts a run
+In a run whose trainers nobody can dial, it also leads their averaging rounds (diloco's outer rounds, sync's
+gradient all-reduce) without a part of its own (hivetrain.roles.coordinator.relay). So the state survives when every volunteer has left, and `--resume` starts a run
 from a checkpoint by serving it. It offers its state only once it holds a real one (downloaded or resumed): a first
 volunteer must not download the coordinator's untrained weights in place of its pretrained ones.
 """
@@ -30,7 +30,7 @@ from hivetrain.robust import RobustAggregation
 from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm_options import COMPRESSION
 from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
-from hivetrain.roles.coordinator.relay import RoundRelay, print_flushed
+from hivetrain.roles.coordinator.relay import GradientRelay, RoundRelay, print_flushed
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,10 @@ logger = logging.getLogger(__name__)
 def make_state_holder(dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
                       device: torch.device = torch.device("cpu"), events: EventLog = EventLog(None),
                       report: Callable[[str], None] = print_flushed):
-    """The run's state holder. `events` and `report` (the coordinator's console): a diloco holder's relayed rounds."""
+    """The run's state holder. `events` and `report` (the coordinator's console): the rounds it relays."""
     if config.swarm.mode == "diloco":
         return OuterStateHolder(dht, config, resume, device=device, events=events, report=report)
-    return StateHolder(dht, config, resume, device=device)
+    return StateHolder(dht, config, resume, device=device, events=events, report=report)
 
 
 @named_for_rpc_as(TrainingStateAverager)  # peers download the state under hivemind's name
@@ -60,8 +60,12 @@ class CountingStateAverager(BoundedStateAverager):
 
 
 class StateHolder:
+    """A sync run's state: parameters, optimizer statistics and epoch, in hivemind's state averager (it never averages
+    with the peers). It relays the peers' gradient rounds while nobody else can lead them (GradientRelay)."""
+
     def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
-                 device: torch.device = torch.device("cpu"), load_timeout: float = 60.0):
+                 device: torch.device = torch.device("cpu"), load_timeout: float = 60.0,
+                 events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed):
         self.config, self.load_timeout = config, load_timeout
         # The architecture only: the state comes from the swarm or the checkpoint.
         self.model = create_model(dataclasses.replace(config.model, pretrained=False), seed=config.seed).to(device)
@@ -87,6 +91,8 @@ class StateHolder:
             )
         if resume is not None:
             self._restore(resume)
+        self.relay = GradientRelay.for_run(dht, config, param_groups, lambda: self.averager.epoch_bound(),
+                                           events=events, report=report).start()
 
     @property
     def epoch(self) -> int:
@@ -139,6 +145,7 @@ class StateHolder:
         self._restore(dataclasses.replace(checkpoint, epoch=epoch))
 
     def shutdown(self) -> None:
+        self.relay.stop()
         if self.has_state:  # joiners stop asking the coordinator at once
             withdraw_records(self.averager.dht, None, [self.averager])
         self.averager.shutdown()
