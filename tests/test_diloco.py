@@ -58,6 +58,17 @@ def _report_and_wait_until_seen(peer: DiLoCoRounds, epoch: int, reader: DiLoCoRo
         time.sleep(0.1)
 
 
+def _average_one_round_together(rounds: list[DiLoCoRounds]) -> None:
+    """Every peer runs its blocking round at once (a thread each), and each averages it with the others."""
+    threads = [threading.Thread(target=peer.run_round) for peer in rounds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert [peer.rounds_averaged for peer in rounds] == [1] * len(rounds), [
+        (peer.rounds_alone, peer.rounds_failed) for peer in rounds]
+
+
 @pytest.fixture
 def dhts():
     started = []
@@ -142,12 +153,7 @@ def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradi
         mean = (steps[0] * pseudo[0] + steps[1] * pseudo[1]) / sum(steps)
         expected = outer0 - lr * (mean + momentum * mean)  # torch's Nesterov from a zero momentum buffer
 
-        threads = [threading.Thread(target=peer.run_round) for peer in rounds]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        assert [peer.rounds_averaged for peer in rounds] == [1, 1], [(p.rounds_alone, p.rounds_failed) for p in rounds]
+        _average_one_round_together(rounds)
         assert [peer.round for peer in rounds] == [1, 1]
         for model, peer in zip(models, rounds):
             torch.testing.assert_close(_flat(model.parameters()), expected, rtol=0, atol=1e-5)
@@ -291,12 +297,7 @@ def test_a_peer_catching_up_takes_the_groups_parameters_at_a_token_weight(dhts):
         own = outer0 - _flat(models[0].parameters())
         expected = outer0 - lr * (1 + momentum) * own  # the current peer's own step, from a zero momentum buffer
 
-        threads = [threading.Thread(target=peer.run_round) for peer in rounds]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        assert [peer.rounds_averaged for peer in rounds] == [1, 1], [(p.rounds_alone, p.rounds_failed) for p in rounds]
+        _average_one_round_together(rounds)
         assert not behind.outer.catching_up
         for model in models:
             torch.testing.assert_close(_flat(model.parameters()), expected, rtol=0, atol=1e-4)

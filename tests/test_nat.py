@@ -1,6 +1,7 @@
 """Volunteers behind NAT (two network namespaces and a masquerading router the test builds, per NAT): one finds out by
 itself that nobody can dial it, joins in client mode and contributes samples; two, each behind its own NAT, average
-their diloco rounds through the coordinator, which leads their groups (hivetrain.roles.coordinator.relay)."""
+their rounds (diloco's outer rounds, sync's gradient all-reduce) through the coordinator, which leads their
+groups (hivetrain.roles.coordinator.relay)."""
 
 import time
 
@@ -48,22 +49,29 @@ def test_a_peer_behind_nat_joins_in_client_mode_by_itself(spawn, tmp_path, nat):
 ROUNDS = 6
 
 
+def _train_behind_two_nats(spawn, tmp_path, nats, *options: str):
+    """A coordinator of the demo preset with `options`, and two peers ("first", "second"), each behind one of `nats`,
+    that train to swarm epoch ROUNDS in client mode; returns the coordinator and the peers, who have exited."""
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", *options, "--host",
+                                               nats[0].host_ip, "--refresh", "1", events=tmp_path / "coordinator.events")
+    peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
+                         "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
+                         events=tmp_path / f"{name}.events")
+             for name, network in zip(("first", "second"), nats)}
+    for name, peer in peers.items():
+        assert peer.wait(timeout=300) == 0, peer.log
+        assert next(line for line in peer.lines if line.startswith("Joined run")).endswith("client mode"), name
+    return coordinator, peers
+
+
 # Rounds of 8 inner steps, or paced in seconds, where the coordinator's group must form when the peers' searches aim
 PACINGS = {"steps": ("--inner-steps", "8"), "seconds": ("--inner-steps", "8", "--round-seconds", "3")}
 
 
 @pytest.mark.parametrize("pacing", PACINGS)
 def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn, tmp_path, nat, second_nat, pacing):
-    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "diloco",
-                                               *PACINGS[pacing], "--host", nat.host_ip, "--refresh", "1",
-                                               events=tmp_path / "coordinator.events")
-    peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
-                         "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
-                         events=tmp_path / f"{name}.events")
-             for name, network in (("first", nat), ("second", second_nat))}
-    for name, peer in peers.items():
-        assert peer.wait(timeout=300) == 0, peer.log
-        assert next(line for line in peer.lines if line.startswith("Joined run")).endswith("client mode"), name
+    coordinator, peers = _train_behind_two_nats(spawn, tmp_path, (nat, second_nat), "--mode", "diloco",
+                                                *PACINGS[pacing])
     # Each peer averaged rounds with the other: the coordinator, which brought no parameters, is not counted
     rounds = {name: {event["epoch"]: event for event in peer.events("epoch")} for name, peer in peers.items()}
     together = [round_ for round_, event in rounds["first"].items()
@@ -79,16 +87,7 @@ def test_two_sync_peers_behind_nat_average_their_gradients_through_the_coordinat
     """Sync mode: each swarm epoch's gradient all-reduce needs a peer that can be dialled to lead its group. The
     coordinator leads it, reducing every part with nothing of its own, and the two peers step on the same averaged
     gradients: in step (the same parameters) at the epochs both reached, missing no round."""
-    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", "--mode", "sync",
-                                               "--host", nat.host_ip, "--refresh", "1",
-                                               events=tmp_path / "coordinator.events")
-    peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
-                         "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
-                         events=tmp_path / f"{name}.events")
-             for name, network in (("first", nat), ("second", second_nat))}
-    for name, peer in peers.items():
-        assert peer.wait(timeout=300) == 0, peer.log
-        assert next(line for line in peer.lines if line.startswith("Joined run")).endswith("client mode"), name
+    coordinator, peers = _train_behind_two_nats(spawn, tmp_path, (nat, second_nat), "--mode", "sync")
     epochs = {name: {event["epoch"]: event for event in peer.events("epoch")} for name, peer in peers.items()}
     both = sorted(set(epochs["first"]) & set(epochs["second"]))
     assert both, epochs
