@@ -52,8 +52,8 @@ ROUNDS = 6
 def _train_behind_two_nats(spawn, tmp_path, nats, *options: str):
     """A coordinator of the demo preset with `options`, and two peers ("first", "second"), each behind one of `nats`,
     that train to swarm epoch ROUNDS in client mode; returns the coordinator and the peers, who have exited."""
-    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", *options, "--host",
-                                               nats[0].host_ip, "--refresh", "1", events=tmp_path / "coordinator.events")
+    coordinator, addresses = start_coordinator(spawn, tmp_path, "--preset", "demo", *options, "--host", nats[0].host_ip,
+                                               "--refresh", "1", events=tmp_path / "coordinator.events")
     peers = {name: spawn(name, "peers/join.py", "--initial-peers", *addresses, "--name", name, "--threads", "1",
                          "--min-peers", "2", "--stop-at-epoch", str(ROUNDS), prefix=network.exec_prefix,
                          events=tmp_path / f"{name}.events")

@@ -35,9 +35,9 @@ from hivetrain.diloco import group_time, next_round_time
 from hivetrain.events import EventLog
 from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, members_only_class, named_for_rpc_as,
                                           robust_averager_class)
-from hivetrain.outer_state import RELAY_GATHER, OuterState
+from hivetrain.outer_state import RELAY_GATHER, OuterState, round_matchmaking
 from hivetrain.robust import RobustAggregation
-from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint, read_records
+from hivetrain.swarm import keeping_sigint, read_records
 from hivetrain.swarm_options import COMPRESSION, wire_bytes
 
 logger = logging.getLogger(__name__)
@@ -223,13 +223,11 @@ class GradientRelay(Relay):
         else:
             averager_class, robust = members_only_class(RelayedGradients), {}
         compression = COMPRESSION[swarm.grad_compression]()
+        matchmaking = round_matchmaking(swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout,
+                                        swarm.target_group_size)
         with keeping_sigint():
-            averager = averager_class(
-                averaged_tensors=gradients, dht=dht, prefix=f"{config.run_id}_grad_averager", auxiliary=True,
-                min_matchmaking_time=swarm.matchmaking_time, request_timeout=min(3.0, swarm.matchmaking_time / 2),
-                allreduce_timeout=swarm.averaging_timeout, next_chunk_timeout=swarm.next_chunk_timeout,
-                compression=compression, declare_state_period=RECORD_LIFETIME, start=True,
-                **group_matchmaking(swarm.target_group_size), **robust)
+            averager = averager_class(averaged_tensors=gradients, dht=dht, prefix=f"{config.run_id}_grad_averager",
+                                      auxiliary=True, compression=compression, start=True, **matchmaking, **robust)
         return cls(averager, f"{config.run_id}_progress", swarm.target_batch_size, swarm.averaging_timeout,
                    wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report)
 

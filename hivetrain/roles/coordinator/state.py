@@ -3,9 +3,10 @@ hivemind peer: StateHolder for sync runs, OuterStateHolder for diloco runs (oute
 
 It never trains: it downloads the newest state from the volunteers when asked, and serves what it holds to joiners.
 In a run whose trainers nobody can dial, it also leads their averaging rounds (diloco's outer rounds, sync's
-gradient all-reduce) without a part of its own (hivetrain.roles.coordinator.relay). So the state survives when every volunteer has left, and `--resume` starts a run
-from a checkpoint by serving it. It offers its state only once it holds a real one (downloaded or resumed): a first
-volunteer must not download the coordinator's untrained weights in place of its pretrained ones.
+gradient all-reduce) without a part of its own (hivetrain.roles.coordinator.relay). So the state survives when every
+volunteer has left, and `--resume` starts a run from a checkpoint by serving it. It offers its state only once it
+holds a real one (downloaded or resumed): a first volunteer must not download the coordinator's untrained weights in
+place of its pretrained ones.
 """
 
 from __future__ import annotations
