@@ -31,7 +31,7 @@ from hivetrain.hivemind_internals import announce_and_count_peers, ask_cuda_avai
 from hivetrain.robust import RobustAggregation
 from hivetrain.rollback import RollbackRecord, wait_for_state
 from hivetrain.swarm import DHTOptions, start_dht, withdraw_records
-from hivetrain.swarm_optimizer import SwarmSchedule, check_scheduler, schedule_per_inner_step, wrap_optimizer
+from hivetrain.swarm_optimizer import check_scheduler, schedule_per_inner_step, wrap_optimizer
 from hivetrain.swarm_options import COMPRESSION, HivemindOptions
 
 logger = logging.getLogger(__name__)
@@ -240,12 +240,9 @@ class HivemindStrategy(SingleDeviceStrategy):
                 self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
         elif self._watch is not None and (clock := self._watch.ran_ahead(self.local_epoch)) is not None:
             if self.rounds is not None:
-                self.rounds.load_state_from_peers()
-            else:  # hivemind takes no state behind this peer's epoch: it steps back to the count first
-                self.optimizer.state_averager.local_epoch = clock
-                if isinstance(self.optimizer.state_averager.scheduler, SwarmSchedule):
-                    self.optimizer.state_averager.scheduler.rewind_to(clock)
-                self.optimizer.load_state_from_peers()
+                self.rounds.load_state_from_peers()  # on no state, it keeps its round (and tries again)
+            else:
+                self.optimizer.step_back_to(clock)  # on no state, it keeps its epoch (and tries again)
         else:
             return
         if self.rounds is not None:

@@ -52,6 +52,30 @@ class SwarmOptimizer(PatchedOptimizer):
         finally:
             self.swarm_seconds += time.perf_counter() - started
 
+    def step_back_to(self, clock: int) -> bool:
+        """Take the swarm's state, this peer being beyond the coordinator's `clock` (it trained alone while cut off:
+        hivetrain.coordinator_watch); whether a holder served it. hivemind takes no state behind this peer's epoch,
+        so the peer steps back to the count first. When no holder served one (the link is barely back, each holder
+        timed out), it stands at its own epoch again: at the count, with the parameters it trained alone, it would
+        pass for in step with the swarm and never reload."""
+        epoch, taken = self.local_epoch, self.state_averager.states_taken
+        self._stand_at(clock)
+        self.load_state_from_peers()
+        if self.state_averager.states_taken > taken:
+            return True
+        logger.warning(f"No peer served the swarm's state: this peer stays at swarm epoch {epoch} and tries again")
+        self._stand_at(epoch)
+        self.tracker.report_local_progress(epoch, 0)  # hivemind dropped the gradients it had accumulated
+        return False
+
+    def _stand_at(self, epoch: int) -> None:
+        """Put this peer at swarm epoch `epoch`, its LR schedule and the priority of the state it serves with it."""
+        self.state_averager.local_epoch = epoch
+        if isinstance(self.state_averager.scheduler, SwarmSchedule):
+            self.state_averager.scheduler.rewind_to(epoch)
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = epoch
+
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None, batch_size: Optional[int] = None,
              grad_scaler: Optional[hivemind.GradScaler] = None):
         loss = None

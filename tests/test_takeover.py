@@ -30,6 +30,7 @@ from hivetrain.outer_state import OuterState
 from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.run_record import RUN_KEY, RunRecord, fetch_run, guard_run_keys, publish_run_config, signer_peer_id
 from hivetrain.swarm import DHTOptions, SwarmError, start_dht
+from hivetrain.swarm_optimizer import SwarmOptimizer
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -293,6 +294,45 @@ def test_a_download_skips_holders_beyond_the_clock_or_oversized_and_takes_no_set
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(peer.main_parameters, honest.main_parameters))
     assert [group["lr"] for group in peer.optimizer.param_groups] == [0.05]  # its own lr, as its schedule puts it
     assert peer.optimizer.param_groups[0]["weight_decay"] == 0.0  # not the holder's 100
+
+
+def test_a_sync_peer_beyond_the_clock_keeps_its_epoch_until_a_holder_serves_the_swarms_state(cleanup):
+    """A sync peer beyond the clock steps back to the count before it downloads (hivemind takes no state behind a
+    peer's epoch). The faults suite once saw that download fail on a link barely back: the peer stood at the count
+    with the parameters it had trained alone, passed for in step, and trained beside the swarm for 50 epochs. With no
+    holder to serve, it now stands at its own epoch again (and tries again later); once one serves, it takes the
+    state."""
+    bootstrap = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
+    cleanup.append(bootstrap)
+    run_id = "step-back"
+
+    def dht() -> hivemind.DHT:
+        cleanup.append(hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=_addresses(bootstrap), start=True))
+        return cleanup[-1]
+
+    peer = SwarmOptimizer(dht=dht(), run_id=run_id, params=torch.nn.Linear(4, 2).parameters(), target_batch_size=64,
+                          batch_size_per_step=8, optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                          load_state_timeout=5)
+    cleanup.append(peer)  # shut down before its DHT (cleanup runs in reverse)
+    peer.state_averager.local_epoch = 50
+    alone = [param.detach().clone() for param in peer.state_averager.main_parameters]
+    assert peer.step_back_to(10) is False
+    assert peer.local_epoch == 50
+    assert all(torch.equal(mine, kept) for mine, kept in zip(peer.state_averager.main_parameters, alone))
+
+    holder = TrainingStateAverager(dht=dht(), prefix=f"{run_id}_state_averager", start=True,
+                                   params=torch.nn.Linear(4, 2).parameters(), allow_state_sharing=True,
+                                   optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    cleanup.append(holder)
+    holder.local_epoch, holder.state_sharing_priority = 12, 12
+    deadline = time.monotonic() + 30
+    while holder.peer_id not in (peer.dht.get(f"{run_id}_state_averager.all_averagers", latest=True) or ({}, None))[0]:
+        assert time.monotonic() < deadline, "the holder never declared its state"
+        time.sleep(0.2)
+    assert peer.step_back_to(10) is True
+    assert peer.local_epoch >= 12  # the holder's epoch (hivemind moves a peer one epoch behind the swarm's on)
+    assert all(torch.equal(mine, theirs)
+               for mine, theirs in zip(peer.state_averager.main_parameters, holder.main_parameters))
 
 
 def test_a_peer_far_beyond_a_fresh_clock_takes_the_swarms_state_and_one_still_cut_off_does_not(monkeypatch):

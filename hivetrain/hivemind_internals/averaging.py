@@ -362,6 +362,9 @@ class BoundedStateAverager(TrainingStateAverager, BoundedDownloads):
     schedule's momentum) as it does for every peer."""
 
     _own_settings: Optional[list[dict]] = None  # during a download: this peer's param groups, without their params
+    # States taken from the swarm so far. hivemind's load returns nothing whether it took a state or not (no holder
+    # answered, or each one's epoch was behind this peer's): a caller compares the count before and after.
+    states_taken = 0
 
     def load_state_from_peers(self, **kwargs):
         self._own_settings = [{key: value for key, value in group.items() if key != "params"}
@@ -376,4 +379,5 @@ class BoundedStateAverager(TrainingStateAverager, BoundedDownloads):
         if self._own_settings is not None:
             for group, own in zip(self.optimizer.param_groups, self._own_settings):
                 group.update(own)
+            self.states_taken += 1
         super()._update_scheduler()
