@@ -1,10 +1,11 @@
-"""The relay suite: what leading the outer rounds of peers that nobody can dial costs the coordinator
+"""The relay suite: what leading the averaging rounds of peers that nobody can dial costs the coordinator
 (hivetrain.roles.coordinator.relay), python -m benchmarks.bench relay.
 
-Each peer of a diloco swarm runs behind a NAT of its own (benchmarks.netns.NattedNamespace), so
-every trainer is in client mode and the coordinator leads every round as hivemind's auxiliary peer, reducing all of
-it. Figures come from the coordinator's `relayed` events (the trainers in each round, its wall time, the CPU time of
-the coordinator's averager process, the bytes it moved) and the peers' epoch events (the group each round had).
+Each peer of a swarm runs behind a NAT of its own (benchmarks.netns.NattedNamespace), so every trainer is in client
+mode and the coordinator leads every round as hivemind's auxiliary peer, reducing all of it: diloco's outer rounds,
+and sync's gradient all-reduce. Figures come from the coordinator's `relayed` events (the trainers in each round, its
+wall time, the CPU time of the coordinator's averager process, the bytes it moved) and the peers' own events (diloco:
+the group each round had; sync: the rounds each missed).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from benchmarks.harness import MONITOR_ONLY, Process, start_coordinator, start_p
 from benchmarks.netns import NattedNamespace
 from benchmarks.report import measured_by
 
-# (preset, trainers): two sizes of model, to tell the relay's cost per parameter from its cost per round
-RUNS = (("demo", 2), ("demo", 3), ("digits-vit-tiny", 2))
-ROUNDS, SMOKE_ROUNDS = 12, 4  # outer rounds each peer takes (--stop-at-epoch)
+# (preset, trainers, mode): diloco at two sizes of model, to tell the relay's cost per parameter from its cost per
+# round, and sync's gradient rounds
+RUNS = (("demo", 2, "diloco"), ("demo", 3, "diloco"), ("digits-vit-tiny", 2, "diloco"), ("demo", 2, "sync"))
+ROUNDS, SMOKE_ROUNDS = 12, 4  # rounds (diloco: outer rounds, sync: swarm epochs) each peer takes (--stop-at-epoch)
 INNER_STEPS = 8  # H: a round every few seconds here
 MISSION = "cifar10-vit-b32"  # what the cost per parameter is carried over to
 PEER_TIMEOUT = 600
@@ -30,22 +32,24 @@ def relay_suite(work: Path, smoke: bool) -> dict:
     if unavailable:
         raise RuntimeError(f"the relay suite needs network namespaces with NAT: {unavailable}")
     rounds = SMOKE_ROUNDS if smoke else ROUNDS
-    results = [relay_run(work, preset, trainers, rounds) for preset, trainers in (RUNS[:1] if smoke else RUNS)]
+    results = [relay_run(work, preset, trainers, rounds, mode)
+               for preset, trainers, mode in (RUNS[:1] if smoke else RUNS)]
     return dict(results=results, inner_steps=INNER_STEPS, mission=MISSION, mission_parameters=_parameters(MISSION),
                 mission_value_bytes=_value_bytes(MISSION))
 
 
-def relay_run(work: Path, preset: str, trainers: int, rounds: int) -> dict:
-    """A coordinator of `preset` and `trainers` peers, each behind its own NAT, taking `rounds` outer rounds: the
+def relay_run(work: Path, preset: str, trainers: int, rounds: int, mode: str = "diloco") -> dict:
+    """A coordinator of `preset` in `mode` and `trainers` peers, each behind its own NAT, taking `rounds` rounds: the
     rounds the coordinator relayed and what each cost it."""
-    name = f"relay-{preset}-{trainers}"
+    name = f"relay-{preset}-{trainers}-{mode}"
+    swarm = ["--mode", "diloco", "--inner-steps", str(INNER_STEPS)] if mode == "diloco" else ["--mode", "sync"]
     nats: list[NattedNamespace] = []
     roles: list[Process] = []
     try:
         for index in range(trainers):
             nats.append(NattedNamespace(index + 1).create())
         coordinator, addresses = start_coordinator(
-            work, name, [*MONITOR_ONLY, "--mode", "diloco", "--inner-steps", str(INNER_STEPS), "--refresh", "2"],
+            work, name, [*MONITOR_ONLY, *swarm, "--refresh", "2"],
             preset=preset, host=nats[0].host_ip)
         roles.append(coordinator)
         peers = [start_peer(work, f"{name}-{index}", addresses, ["--threads", "1", "--min-peers", str(trainers),
@@ -58,13 +62,13 @@ def relay_run(work: Path, preset: str, trainers: int, rounds: int) -> dict:
         relayed = [event for event in coordinator.events("relayed") if event["trainers"] == trainers]
         if not relayed:
             raise RuntimeError(f"the coordinator of {name} relayed no round of all {trainers}; see {coordinator.log}")
-        together = min(sum(event.get("group_size") == trainers for event in peer.events("epoch")) for peer in peers)
-        result = dict(preset=preset, parameters=_parameters(preset), trainers=trainers, rounds=rounds,
+        together = min(_averaged_with_all(peer, trainers, rounds, mode) for peer in peers)
+        result = dict(preset=preset, parameters=_parameters(preset), trainers=trainers, mode=mode, rounds=rounds,
                       relayed=len(relayed), averaged_together=together,
                       seconds_median=statistics.median(e["seconds"] for e in relayed),
                       cpu_seconds_median=statistics.median(e["cpu_seconds"] for e in relayed),
                       bytes_per_round=statistics.median(e["bytes"] for e in relayed))
-        print(f"{preset}, {trainers} trainers behind NAT: {len(relayed)} rounds relayed, each peer averaged"
+        print(f"{preset}, {mode}, {trainers} trainers behind NAT: {len(relayed)} rounds relayed, each peer averaged"
               f" {together} of {rounds} with all; a round {result['seconds_median']:.2f} s, the relay's CPU"
               f" {result['cpu_seconds_median']:.2f} s", flush=True)
         return result
@@ -73,6 +77,14 @@ def relay_run(work: Path, preset: str, trainers: int, rounds: int) -> dict:
             role.stop()
         for nat in nats:
             nat.delete()
+
+
+def _averaged_with_all(peer: Process, trainers: int, rounds: int, mode: str) -> int:
+    """The rounds `peer` averaged with all `trainers`: diloco's epoch events name each round's group; a sync peer
+    counts the rounds it missed (it stepped with its own gradients), and in a group of all trainers none did."""
+    if mode == "diloco":
+        return sum(event.get("group_size") == trainers for event in peer.events("epoch"))
+    return rounds - peer.event("left")["missed_rounds"]
 
 
 def _parameters(preset: str) -> int:
@@ -92,20 +104,24 @@ def _value_bytes(preset: str) -> int:
 
 def relay_section(result: dict, env: dict, out: Path) -> str:
     rows = "".join(
-        f"| `{r['preset']}` | {r['parameters']:,} | {r['trainers']} | {r['relayed']} of {r['rounds']} |"
+        f"| `{r['preset']}` | {r.get('mode', 'diloco')} | {r['parameters']:,} | {r['trainers']} |"
+        f" {r['relayed']} of {r['rounds']} |"
         f" {r['averaged_together']} | {r['seconds_median']:.2f} | {r['cpu_seconds_median']:.2f} |"
         f" {r['bytes_per_round'] / 1e6:.1f} |\n" for r in result["results"])
     return (
         "## relay\n\n"
-        + measured_by(env) + f" Diloco swarms (H = {result['inner_steps']} inner steps, one torch thread per peer),"
-        " each peer behind a NAT of its own, so that nobody can dial any trainer and the coordinator leads every round"
-        " as hivemind's auxiliary peer (hivetrain.roles.coordinator.relay). From the coordinator's `relayed` events"
-        " (medians over the"
-        " rounds it relayed with every trainer; CPU: its averager's process) and the peers' epoch events (the rounds"
-        " each averaged with all the others).\n\n"
-        "| preset | parameters | trainers | rounds relayed with all | rounds each peer averaged with all (fewest) |"
-        " round (s) | relay CPU per round (s) | through the coordinator per round (MB) |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|\n" + rows + "\n" + _carried_over(result)
+        + measured_by(env) + f" Swarms of one torch thread per peer, each peer behind a NAT of its own, so that"
+        " nobody can dial any trainer and the coordinator leads every round as hivemind's auxiliary peer"
+        f" (hivetrain.roles.coordinator.relay): diloco's outer rounds (H = {result['inner_steps']} inner steps)"
+        + (", and sync's gradient all-reduce at each swarm epoch" if any(r.get("mode") == "sync"
+                                                                          for r in result["results"]) else "")
+        + ". From the coordinator's `relayed` events (medians over the rounds it relayed with every trainer; CPU: its"
+        " averager's process) and the peers' own events (the rounds each averaged with all the others: diloco's"
+        " epoch events name each round's group; a sync peer's rounds are those it did not miss).\n\n"
+        "| preset | mode | parameters | trainers | rounds relayed with all |"
+        " rounds each peer averaged with all (fewest) | round (s) | relay CPU per round (s) |"
+        " through the coordinator per round (MB) |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n" + rows + "\n" + _carried_over(result)
         + " The relay is a fallback for swarms without one reachable volunteer: a reachable peer leads the rounds"
         " itself and the coordinator then relays nothing.\n"
     )
@@ -116,7 +132,7 @@ def _carried_over(result: dict) -> str:
     two model sizes, and carried over to the mission's model."""
     mission, bytes_ = result["mission_parameters"], 2 * result["mission_parameters"] * result["mission_value_bytes"]
     pairs = sorted({r["parameters"]: r["cpu_seconds_median"] / r["trainers"] for r in result["results"]
-                    if r["trainers"] == 2}.items())
+                    if r["trainers"] == 2 and r.get("mode", "diloco") == "diloco"}.items())
     moved = (f"Each round moves 2 x the model's size per trainer through the coordinator (its copy in, the average"
              f" back): {bytes_ / 1e6:.0f} MB per trainer for `{result['mission']}` ({mission:,} parameters, fp16).")
     if len(pairs) < 2:
@@ -125,7 +141,7 @@ def _carried_over(result: dict) -> str:
     per_parameter = max(0.0, (large_cpu - small_cpu) / (large - small))
     fixed = max(0.0, small_cpu - per_parameter * small)
     cpu = fixed + per_parameter * mission
-    return (moved + f" The relay's CPU per trainer and round, fitted on the two-trainer runs: {fixed:.2f} s plus"
+    return (moved + f" The relay's CPU per trainer and round, fitted on the two-trainer diloco runs: {fixed:.2f} s plus"
             f" {per_parameter * 1e6:.3f} s per million parameters, so about {cpu:.0f} s for `{result['mission']}`"
             f" (if reducing stays linear in size). With a round a minute, one coordinator core keeps up with about"
             f" {60 / cpu:.0f} trainers, and a 1 Gbit/s link with about {60 * 125e6 / bytes_:.0f}.")
