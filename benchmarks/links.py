@@ -20,6 +20,7 @@ LINK_DDP_STEPS = {1000: 30, 100: 15, 20: 6}  # DDP steps of 2 x 32 samples: abou
 LINK_INNER_STEPS = 100  # diloco: inner steps per round (about 1 s each here), as a GPU volunteer would take hundreds
 
 LINK_SWARM_SECONDS = 240  # at least two rounds of each peer
+SMOKE_SWARM_SECONDS = 20  # a smoke run's: some steps of each peer and bytes over the link, not a round's figures
 
 LINK_RUNS = ("ddp", "sync", "diloco", "diloco-overlapped")  # diloco: blocking rounds; diloco-overlapped: overlapped
 
@@ -83,7 +84,7 @@ def links_suite(work: Path, smoke: bool) -> dict:
     unavailable = LinkedNamespaces.unavailable()
     if unavailable:
         raise RuntimeError(f"the links suite needs network namespaces: {unavailable}")
-    batch, seconds = 32, 30 if smoke else LINK_SWARM_SECONDS
+    batch, seconds = 32, SMOKE_SWARM_SECONDS if smoke else LINK_SWARM_SECONDS
     inner_steps = 4 if smoke else LINK_INNER_STEPS
     results = []
     # A smoke run shapes the link to 100 Mbit/s: at 20 DDP's steps and the joiners' state downloads alone took minutes
@@ -121,7 +122,8 @@ def links_suite(work: Path, smoke: bool) -> dict:
             results.append(row)
         finally:
             network.delete()
-    return dict(preset=THROUGHPUT_PRESET, batch_size=batch, inner_steps=inner_steps, results=results)
+    return dict(preset=THROUGHPUT_PRESET, batch_size=batch, inner_steps=inner_steps, swarm_seconds=seconds,
+                results=results)
 
 
 def links_section(result: dict, env: dict, out: Path) -> str:
@@ -163,7 +165,8 @@ def links_section(result: dict, env: dict, out: Path) -> str:
         " time). Bytes per sample: what crossed the link in both directions, over the samples trained; for the"
         " swarms from the moment both peers held the swarm's state to the last one's leaving, for DDP over the whole"
         " run (its start-up broadcast of the parameters included). Each swarm trains"
-        f" {LINK_SWARM_SECONDS} s; the presets' matchmaking and averaging timeouts are used as they are.\n\n"
+        f" {result.get('swarm_seconds', LINK_SWARM_SECONDS)} s; the presets' matchmaking and averaging timeouts are"
+        " used as they are.\n\n"
         f"| link | {header} |\n|---|" + "---:|---:|" * len(runs) + "\n"
         f"{rows}\n" + "\n\n".join(targets) + "\n"
     )
