@@ -37,11 +37,9 @@ CUT_MARGIN = 2.0  # seconds after the cut from which b's epochs are its own (a r
 # ...and until b, alone, is this far ahead of a: beyond the clock (a's count, give or take the epoch a look lags)
 B_AHEAD = EPOCHS_AHEAD + 8
 # Back online, b's parameters are this share of the furthest they got from a's while alone, or closer. Not to float
-# rounding: b then averages its gradients with the others, but in 3 runs of 5 here its parameters stayed a constant
-# few 1e-4 from a's (a few 1e-3 while alone), in one of them for 48 epochs, until a reload made them match. Its epoch
-# lines came 2.5 s after a's: its state averaging missed the others' group each epoch, so nothing pulled it back to
-# their parameters (hivemind 1.1.12 never pre-schedules state averaging: the delay it would schedule it by is only
-# updated after a pre-scheduled round).
+# rounding: b then averages its gradients with the others, but in 4 runs of 9 here its parameters stayed a steady few
+# 1e-4 from a's (a few 1e-3 while alone), in one of them for 48 epochs, until a reload made them match; its epochs
+# then ended seconds before or after a's, where they end together when b comes back exactly in step.
 REJOINED_CLOSER = 0.25
 TIMEOUT = 180  # for any one phase; a phase takes 10-60 s here
 
@@ -71,16 +69,27 @@ def _distance(probe: list[float], other: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(probe, other, strict=True))
 
 
-def _rejoined(a: Process, b: Process, since: float, apart: float) -> tuple[float, int, float] | None:
-    """(when, the epoch, how far b's parameters were from a's) once, after `since`, a counts 3 peers again and b ended
-    an epoch with parameters within REJOINED_CLOSER x `apart` of those a ended it with (`apart`: how far b's got from
-    a's in the epochs it trained alone): b took the swarm's state, whatever it trained alone."""
-    counted = next((t for t, _, peers in _epochs(a, since=since) if peers == 3), None)
-    a_probes = _probes(a, since)
+def _alone(a: Process, b: Process, cut_at: float, restored_at: float) -> dict[int, tuple[list[float], list[float]]]:
+    """{epoch: (a's probe, b's)} of the epochs b ended alone that a has ended too, a before or after the link came
+    back (b's from a moment after the cut: an epoch that b and a averaged just before it may end just after it)."""
+    a_probes = _probes(a, cut_at)
+    return {epoch: (a_probes[epoch], probe)
+            for epoch, probe in _probes(b, cut_at + CUT_MARGIN, until=restored_at).items() if epoch in a_probes}
+
+
+def _rejoined(a: Process, b: Process, cut_at: float, restored_at: float) -> tuple[float, int, float, float] | None:
+    """(when, the epoch, how far b's parameters were from a's, the furthest its lone ones were) once, after the link
+    came back, a counts 3 peers again and b ended an epoch with parameters within REJOINED_CLOSER of the furthest its
+    lone ones got from a's at the same epochs: b took the swarm's state, whatever it trained alone."""
+    counted = next((t for t, _, peers in _epochs(a, since=restored_at) if peers == 3), None)
+    apart = max((_distance(*probes) for probes in _alone(a, b, cut_at, restored_at).values()), default=None)
+    if counted is None or apart is None:
+        return None
+    a_probes = _probes(a, restored_at)
     near = next(((event["time"], event["epoch"], _distance(a_probes[event["epoch"]], event["probe"]))
-                 for event in b.events("epoch") if event["time"] > since and event["epoch"] in a_probes
+                 for event in b.events("epoch") if event["time"] > restored_at and event["epoch"] in a_probes
                  and _distance(a_probes[event["epoch"]], event["probe"]) <= REJOINED_CLOSER * apart), None)
-    return (max(counted, near[0]), *near[1:]) if counted is not None and near is not None else None
+    return None if near is None else (max(counted, near[0]), near[1], near[2], apart)
 
 
 def _epoch(process: Process) -> int:
@@ -207,16 +216,9 @@ def run(tmp_path_factory):
             facts["epochs_during_cut"], facts["b_epochs_during_cut"] = _epoch(a) - epoch, _epoch(b) - b_epoch
             net.restore()
             restored_at, facts["epochs_at_restore"] = time.time(), (_epoch(a), _epoch(b))
-            # b's lone parameters against a's at the epochs both reached, a before the link came back (from a moment
-            # after the cut: an epoch that b and a averaged just before it may end just after it)
-            a_probes = _probes(a, cut_at)
-            alone = {epoch_: (a_probes[epoch_], probe)
-                     for epoch_, probe in _probes(b, cut_at + CUT_MARGIN, until=restored_at).items()
-                     if epoch_ in a_probes}
+            rejoined = _wait(lambda: _rejoined(a, b, cut_at, restored_at), "b back in step with a", [a, b, c])
+            alone = _alone(a, b, cut_at, restored_at)
             facts["alone_in_step"] = (len(alone), [e for e, probes in alone.items() if same_parameters(*probes)])
-            apart = max((_distance(*probes) for probes in alone.values()), default=0.0)
-            rejoined = _wait(lambda: _rejoined(a, b, since=restored_at, apart=apart), "b back in step with a",
-                             [a, b, c])
             facts["b_rejoined_events"] = [e for e in b.events("rejoined") if e["time"] > restored_at]
             facts.update(restored_at=restored_at, cut_at=cut_at, rejoined_at_epoch=rejoined[1],
                          counted_during_cut=dict(a={n for t, _, n in _epochs(a, since=cut_at) if t <= restored_at},
@@ -225,7 +227,7 @@ def run(tmp_path_factory):
                                  f"a went on {facts['epochs_during_cut']} epochs meanwhile, b"
                                  f" {facts['b_epochs_during_cut']} alone; back online, a counts 3 peers again and b,"
                                  f" which was at epoch {facts['epochs_at_restore'][1]}, ends epoch {rejoined[1]} with"
-                                 f" parameters {rejoined[2]:.1e} from a's (up to {apart:.1e} while"
+                                 f" parameters {rejoined[2]:.1e} from a's (up to {rejoined[3]:.1e} while"
                                  f" alone)"))
 
         # 3. c vanishes in the middle of an averaging round (its optimizer step has begun).
