@@ -35,6 +35,7 @@ class PatchedOptimizer(hivemind.Optimizer):
       The gradient averager takes the state averager's group size cap and group bits too, for the same reason: a
       run averaging in groups would otherwise average its gradients in one group of everyone.
     - A peer alone schedules no averaging rounds (see below).
+    - It pre-schedules its state averaging rounds, as it does its gradient rounds (see __init__).
     - `missed_round` tells whether the last step's gradient averaging round failed while one was begun.
     - Its state averager is a BoundedStateAverager: a downloaded state's epoch is bounded, its optimizer settings
       are not taken.
@@ -49,6 +50,11 @@ class PatchedOptimizer(hivemind.Optimizer):
     def __init__(self, *args, aggregation: Any = None, **kwargs):
         self.aggregation = aggregation  # before hivemind's __init__, which builds (and starts) the averagers
         super().__init__(*args, **kwargs)
+        # hivemind pre-schedules a state averaging round (its group looked for during the epoch's last steps, as
+        # for the gradient rounds) once it knows the delay from an epoch's end to the round, and it measures that delay
+        # only on a pre-scheduled round: it never measured one, and every state averaging round looked for its group
+        # after the epoch's end, for the whole matchmaking time. A first estimate of no delay lets it pre-schedule.
+        self.delay_before_state_averaging.update(task_size=1, interval=0.0)
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return self.tracker_class(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
