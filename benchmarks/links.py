@@ -20,7 +20,7 @@ LINK_DDP_STEPS = {1000: 30, 100: 15, 20: 6}  # DDP steps of 2 x 32 samples: abou
 LINK_INNER_STEPS = 100  # diloco: inner steps per round (about 1 s each here), as a GPU volunteer would take hundreds
 
 LINK_SWARM_SECONDS = 240  # at least two rounds of each peer
-SMOKE_SWARM_SECONDS = 20  # a smoke run's: some steps of each peer and bytes over the link, not a round's figures
+SMOKE_SWARM_SECONDS = 12  # a smoke run's: some steps of each peer and bytes over the link, not a round's figures
 
 LINK_RUNS = ("ddp", "sync", "diloco", "diloco-overlapped")  # diloco: blocking rounds; diloco-overlapped: overlapped
 

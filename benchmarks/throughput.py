@@ -41,7 +41,7 @@ def throughput_suite(work: Path, smoke: bool) -> dict:
           flush=True)
     swarms = []
     for setting in THROUGHPUT_SWARMS[:1] if smoke else THROUGHPUT_SWARMS:
-        seconds = 30 if smoke else setting["seconds"]
+        seconds = 20 if smoke else setting["seconds"]  # a smoke run: a few epochs of each peer
         if setting["mode"] == "diloco":
             name, options = f"swarm-diloco-h{setting['inner_steps']}", ["--mode", "diloco", "--inner-steps",
                                                                           str(setting["inner_steps"])]
