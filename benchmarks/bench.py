@@ -35,12 +35,14 @@ import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.churn import churn_section, churn_suite
 from benchmarks.communication import communication_section, communication_suite
 from benchmarks.convergence import convergence_section, convergence_suite
 from benchmarks.defences import attacks_section, attacks_suite
 from benchmarks.harness import ROOT
+from benchmarks.report import RECORDS, newest_record  # noqa: F401 (the tests read records through bench)
 from benchmarks.join import join_section, join_suite
 from benchmarks.links import links_section, links_suite
 from benchmarks.monitor import monitor_section, monitor_suite
@@ -50,10 +52,10 @@ from benchmarks.scale_page import scale_page
 from benchmarks.throughput import throughput_section, throughput_suite
 
 PAGE = ROOT / "logbook" / "benchmarks.md"
-RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
 
 
-def _environment() -> dict:
+def environment() -> dict:
+    """Where a measurement ran: date, commit, machine and versions (each page's or section's opening line)."""
     import hivemind
     import torch
 
@@ -82,6 +84,8 @@ SUITES = {
 # the suites whose Markdown lands elsewhere than logbook/benchmarks.md: attacks beside the faults (tests/test_faults.py
 # writes the rest of that page), scale a whole page of its own
 PAGES = {"attacks": "reliability.md", "scale": "scale.md"}
+# the suites whose pages also read another suite's newest record, by that suite: the scale page's relay section
+READ_BY = {"relay": ("scale",)}
 
 
 def page_of(suite: str) -> Path:
@@ -89,11 +93,12 @@ def page_of(suite: str) -> Path:
     return PAGE.parent / PAGES.get(suite, PAGE.name)
 
 
-def write_section(name: str, section: str) -> None:
-    """Write suite `name`'s Markdown into its page. A whole page (from a level-1 heading, "# ") replaces the page.
-    A section ("## name") replaces that suite's section of the page (each section says which commit measured it);
-    what comes before the first section and the other sections stay as they are."""
-    page = page_of(name)
+def write_section(name: str, section: str, page: Optional[Path] = None) -> None:
+    """Write suite `name`'s Markdown into its page (or into `page`: the tests that write a section of the reliability
+    page). A whole page (from a level-1 heading, "# ") replaces the page. A section ("## name") replaces that suite's
+    section of the page (each section says which commit measured it); what comes before the first section and the
+    other sections stay as they are."""
+    page = page or page_of(name)
     if section.startswith("# "):
         page.write_text(section)
         return
@@ -122,13 +127,6 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
-def newest_record(suite: str) -> Path:
-    records = sorted(RECORDS.glob(f"bench-{suite}-*.json"))
-    if not records:
-        raise SystemExit(f"no record of {suite} in {RECORDS}: run python -m benchmarks.bench {suite} first")
-    return records[-1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
@@ -145,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Wrote {_shown(page)} ({args.suite}) from {_shown(path)}")
         return 0
     command = f"python -m benchmarks.bench {args.suite}" + (" --smoke" if args.smoke else "")
-    env = _environment()
+    env = environment()
     work = Path(tempfile.mkdtemp(prefix=f"bench-{args.suite}-"))
     # on a failure the roles' logs stay in `work`: the error names them
     result = SUITES[args.suite][0](work, smoke=args.smoke)
@@ -163,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(record, indent=1) + "\n")
     write_section(args.suite, render(args.suite, record, path, page.parent))
     print(f"Wrote {_shown(page)} ({args.suite}) and {_shown(path)}")
+    for reader in READ_BY.get(args.suite, ()):  # a page that quotes this record, written again from its own
+        main([reader, "--page"])
     return 0
 
 

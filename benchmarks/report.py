@@ -1,4 +1,19 @@
-"""How a benchmark section reports: the line naming the command that measured it, and each target's verdict."""
+"""How a benchmark section reports: where the suites' records are kept, the line naming the command that measured
+a section, and each target's verdict."""
+
+from pathlib import Path
+
+from benchmarks.harness import ROOT
+
+RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
+
+
+def newest_record(suite: str) -> Path:
+    """The newest record of `suite` in RECORDS (their names sort by the time they were written)."""
+    records = sorted(RECORDS.glob(f"bench-{suite}-*.json"))
+    if not records:
+        raise SystemExit(f"no record of {suite} in {RECORDS}: run python -m benchmarks.bench {suite} first")
+    return records[-1]
 
 
 def verdict(met: bool, what: str) -> str:

@@ -14,6 +14,15 @@ from s3server import SeaweedS3
 from benchmarks.harness import ROOT, Process  # noqa: F401
 
 BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
+# The reliability page the fault tests and the takeover attacks write: a temporary one, or the committed one where
+# `make logbook` names it.
+RELIABILITY_PAGE = Path(os.environ.get("HIVETRAIN_RELIABILITY_PAGE")
+                        or Path(tempfile.mkdtemp(prefix="hivetrain-reliability-")) / "reliability.md")
+# The tests that mount issue 27's attacks and each add a row to the page's takeover section (`make logbook` runs them)
+TAKEOVER_TESTS = ("tests/test_takeover.py", "tests/test_hostile_records.py", "tests/test_access.py",
+                  "tests/test_reachability.py", "tests/test_revocation.py")
+TAKEOVER_FINDINGS = ("run-record hijack", "epoch inflation", "poisoned state", "a coordinator crash",
+                     "private runs leak", "one key, unlimited peers", "dial-back flood", "model settings")
 # Tests never reach the Hugging Face hub; every process they start inherits this.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -127,3 +136,35 @@ def s3(tmp_path_factory):
     finally:
         server.stop()
         env.undo()
+
+
+class TakeoverRows:
+    """The reliability page's takeover section: a row per attack of issue 27 that a test mounted, with what the
+    honest roles did as that test measured it (each test fails when they do otherwise). The section is rewritten at
+    each row, so that it holds the rows of this session so far; the rest of the page stays as it is."""
+
+    def __init__(self, page: Path):
+        self.page, self.rows = page, {}
+
+    def add(self, finding: int, attack: str, measured: str) -> None:
+        """Finding `finding` (issue 27's number, 1-8), mounted as `attack`: the honest roles did `measured`."""
+        from benchmarks.bench import environment, write_section
+        from benchmarks.report import measured_by
+
+        self.rows[(finding, attack)] = measured
+        env = dict(environment(), command="pytest " + " ".join(TAKEOVER_TESTS))
+        rows = "".join(f"| {number}. {TAKEOVER_FINDINGS[number - 1]} | {attack} | {measured} |\n"
+                       for (number, attack), measured in sorted(self.rows.items(), key=lambda row: row[0][0]))
+        write_section("takeover", (
+            "## takeover\n\n"
+            f"{measured_by(env)} Issue 27's attacks, each mounted by its test against the real roles on loopback: a"
+            " plain hivemind process that signs what it stores with a key of its own, as any volunteer can (or the"
+            " project's attacker, `tests/test_hostile_records.py`), and what the honest roles then did, as the test"
+            " measured it. Not closed yet: a holder that serves other parameters at the swarm's epoch, in the"
+            " model's shapes, is taken by a joiner that asks it (issue 27's vouched-for state).\n\n"
+            "| finding | attack | what the honest roles did |\n|---|---|---|\n" + rows), page=self.page)
+
+
+@pytest.fixture(scope="session")
+def takeover_rows() -> TakeoverRows:
+    return TakeoverRows(RELIABILITY_PAGE)

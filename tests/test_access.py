@@ -42,7 +42,7 @@ def test_grants_round_trip_and_only_the_authority_signs_them(tmp_path):
         assert not coordinator.is_token_valid(_token_of(token)), token.name
 
 
-def test_a_grant_seen_in_the_traffic_is_worthless_to_whoever_saw_it(tmp_path):
+def test_a_grant_seen_in_the_traffic_is_worthless_to_whoever_saw_it(tmp_path, takeover_rows):
     """Finding 5: every DHT request and answer carries its sender's grant. A volunteer whose token runs out in two
     minutes keeps the coordinator's grant (a day, renewed) from an answer, and presents it, with its own key or with
     the coordinator's public key and its own signature: both are refused. The coordinator renews its own grant."""
@@ -76,6 +76,9 @@ def test_a_grant_seen_in_the_traffic_is_worthless_to_whoever_saw_it(tmp_path):
     renewed = asyncio.run(coordinator.get_token())
     assert int(renewed.expiration_time) > time.time() + 86000 and renewed.public_key == seen.public_key
     assert coordinator.does_token_need_refreshing(seen) is False and not mallory.does_token_need_refreshing(seen)
+    takeover_rows.add(5, "a volunteer with a two-minute grant presents the coordinator's grant seen in its answers,"
+                         " relabelled with its own key or replayed as it was",
+                      "both refused; its own grant accepted; the coordinator's grant is renewed for its own key only")
 
 
 def test_bad_tokens_and_lifetimes_are_refused_with_a_reason():
@@ -122,7 +125,7 @@ def test_a_private_run_admits_token_holders_only(spawn, tmp_path):
             ("alice", int(alice.wait_for(r"contributed (\d+) samples", timeout=1).group(1)))]
 
 
-def test_a_private_runs_averagers_answer_its_members_only(spawn, tmp_path):
+def test_a_private_runs_averagers_answer_its_members_only(spawn, tmp_path, takeover_rows):
     # hivemind's averagers answer anyone who reaches the port: a host with no token downloaded a private run's model
     # straight from a volunteer. Now a volunteer's state goes to the run's members only.
     authority = str(tmp_path / "authority.key")
@@ -166,4 +169,7 @@ def test_a_private_runs_averagers_answer_its_members_only(spawn, tmp_path):
     finally:
         dht.shutdown()
     # the outsider's requests were refused with one line, not one per request
-    assert len([line for line in alice.lines if outsider_line.group(1) in line and "Refusing" in line]) == 1
+    refusals = len([line for line in alice.lines if outsider_line.group(1) in line and "Refusing" in line])
+    assert refusals == 1
+    takeover_rows.add(5, "a host with no token asks a private run's volunteer for its state (rpc_download_state)",
+                      f"refused: 0 messages, {refusals} warning line; a member with a grant got the state")

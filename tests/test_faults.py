@@ -8,25 +8,23 @@ writes logbook/reliability.md)."""
 from __future__ import annotations
 
 import math
-import os
 import re
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import hivemind
 import pytest
 import torch
 
-from conftest import Process, live_entries, record_reader, same_parameters
+from conftest import RELIABILITY_PAGE, Process, live_entries, record_reader, same_parameters
 from hivetrain.clock import EPOCHS_AHEAD
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
+from benchmarks.bench import environment
 from benchmarks.netns import VethNamespace
+from benchmarks.report import measured_by
 from s3server import free_ports
 from test_hostile_records import SHAPES, attack, hostile_stores, start_attacker
 
@@ -119,17 +117,12 @@ def _finite_weights(path: Path) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())
 
 
-# Tests write to temporary folders only: `make logbook` names the committed page here.
-RELIABILITY_PAGE = Path(os.environ.get("HIVETRAIN_RELIABILITY_PAGE")
-                        or Path(tempfile.mkdtemp(prefix="hivetrain-faults-")) / "reliability.md")
-
-
 def _write_page(rows: list[FaultRow], network: str) -> None:
     lines = [
         "# Reliability: faults a swarm survives",
         "",
-        f"Written by `pytest tests/test_faults.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
-        f" (Python {sys.version.split()[0]}, torch {torch.__version__}). One run of the `demo` preset: a coordinator"
+        f"Written by {measured_by(dict(environment(), command='pytest tests/test_faults.py'))} One run of the"
+        " `demo` preset: a coordinator"
         f" and peers a, b and c (one torch thread each), then d. {network}",
         "",
         "Recovery: from the fault (or, for the cut, from the link coming back) to the moment the measured condition"

@@ -314,7 +314,7 @@ def test_the_trackers_wired_with_vetting_start_among_hostile_progress(cleanup):
     assert optimizer.tracker.global_progress.num_peers == 1
 
 
-def test_the_coordinator_and_a_joiner_outlast_every_shape(tmp_path, spawn, cleanup):
+def test_the_coordinator_and_a_joiner_outlast_every_shape(tmp_path, spawn, cleanup, takeover_rows):
     """The reported case: a plain hivemind process stores hostile records under every key the coordinator's run reads.
     A joiner that has not learnt the run yet holds them; hivemind's own tracker dies on them (the reported pydantic
     ValidationError) until the joiner fetches the run's configuration, which guards its node."""
@@ -359,9 +359,14 @@ def test_the_coordinator_and_a_joiner_outlast_every_shape(tmp_path, spawn, clean
                                "a plain value where per-peer entries belong")}
     assert expected <= set(warned), sorted(expected - set(warned))
     assert not any("Traceback" in line for line in coordinator.lines), coordinator.lines
+    looks = sum(bool(status.match(line)) for line in coordinator.lines[attacked:])
+    takeover_rows.add(4, f"records of {len(SHAPES)} hostile shapes under every key the run reads (malformed, unsigned,"
+                         " badly signed, too large, expiring too far ahead, ...)",
+                      f"the coordinator went on looking ({looks} looks since the attack) with no traceback and one"
+                      f" warning per key and reason ({len(warned)}); a joiner read the coordinator's configuration")
 
 
-def test_the_monitor_stores_the_largest_records_the_schema_allows(tmp_path, cleanup):
+def test_the_monitor_stores_the_largest_records_the_schema_allows(tmp_path, cleanup, takeover_rows):
     """Two volunteers' records at the schema's bounds (every integer 2**63 - 1, every rate the largest finite float):
     each fits the metrics store, their sums did not, and the coordinator's monitor raised OverflowError at every look
     (and at every restart while the records lived). Its sums saturate, and it stores what it saw."""
@@ -390,9 +395,13 @@ def test_the_monitor_stores_the_largest_records_the_schema_allows(tmp_path, clea
     with MetricsReader(tmp_path / "metrics.db") as reader:
         assert reader.snapshots()[-1].samples_accumulated == most
         assert sorted(row.name for row in reader.peers()) == ["honest", "largest", "largest"]
+    takeover_rows.add(4, "two volunteers' records at the schema's bounds: every integer 2^63 - 1, every rate the"
+                         " largest float (their sums raised OverflowError at every look)",
+                      f"the monitor stored its look: epoch {snapshot.epoch}, samples {snapshot.samples_accumulated}"
+                      f" (saturated), {snapshot.alive_peers} peers")
 
 
-def test_one_key_keeps_one_entry_per_key(caplog, cleanup):
+def test_one_key_keeps_one_entry_per_key(caplog, cleanup, takeover_rows):
     """hivemind signs any subkey that holds its owner's key: one volunteer kept three progress and three metrics
     entries under one key by varying what followed it, three peers to count (rounds due later, --min-peers met by
     ghosts) and three rows in the store. A guarded node refuses them, and a reader skips them once with a warning."""
@@ -418,3 +427,7 @@ def test_one_key_keeps_one_entry_per_key(caplog, cleanup):
     usable = usable_entries(progress_key(run_id), found.value, LocalTrainingProgress)
     assert not any(owner_subkey(ATTACKER_KEY) in subkey for subkey, _, _ in usable)
     assert len([m for m in skip_warnings(caplog, progress_key(run_id)) if "one entry per key" in m]) == 1
+    takeover_rows.add(6, "one key stores three progress and three metrics entries, varying what follows it in the"
+                         " subkey",
+                      f"a guarded node counted {read_swarm_progress(honest.dht, run_id).peers} peer (the honest one);"
+                      " a reader that found them elsewhere skipped them with one warning")

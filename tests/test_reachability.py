@@ -49,7 +49,7 @@ def test_an_address_nobody_listens_on_is_not_reachable(coordinator):
         assert result.reachable is False, result.detail
 
 
-def test_dial_backs_are_capped_per_caller_and_at_once_and_say_nothing_of_the_address(coordinator):
+def test_dial_backs_are_capped_per_caller_and_at_once_and_say_nothing_of_the_address(coordinator, takeover_rows):
     """The attack: 24 concurrent requests from one caller, then 20 callers at once, each asking to be dialled at an
     address that accepts and never answers (each dial then lasts its whole timeout). The coordinator dials the one
     caller once, runs at most MAX_DIALS_AT_ONCE probes, queues at most MAX_QUEUED checks, refuses the rest in one
@@ -79,6 +79,11 @@ def test_dial_backs_are_capped_per_caller_and_at_once_and_say_nothing_of_the_add
     assert many_callers.count(dict(reachable=False)) == MAX_QUEUED, many_callers
     assert many_callers.count(dict(reachable=None, error="busy with other checks")) == 20 - MAX_QUEUED
     assert 0 < peak[0] <= MAX_DIALS_AT_ONCE
+    takeover_rows.add(7, "24 concurrent dial-back requests from one caller, then 20 callers at once, each naming an"
+                         " address that accepts and never answers",
+                      f"the one caller dialled once ({one_caller.count(dict(reachable=False))} answer, the rest"
+                      f" refused); {many_callers.count(dict(reachable=False))} of 20 callers checked, the rest told"
+                      f" \"busy\"; at most {peak[0]} probes at once")
 
 
 async def _ask(coordinator: list[str], address: str, callers: int, requests: int = 1) -> list[list[dict]]:

@@ -116,7 +116,7 @@ def _answers(dht: hivemind.DHT, peer_id: PeerID) -> bool:
 
 
 def test_a_revoked_volunteer_is_refused_by_the_coordinator_and_the_honest_peers(spawn, tmp_path, capsys, cleanup,
-                                                                               caplog):
+                                                                               caplog, takeover_rows):
     """A private run: alice, bob and carol hold valid tokens and reach each other and the coordinator. carol, validly
     signed by her own key, publishes a revocation list revoking bob: alice's and bob's watchers ignore it (one warning
     each) and bob is still answered. The owner revokes alice: within REFUSED_WITHIN seconds the coordinator and bob
@@ -167,6 +167,7 @@ def test_a_revoked_volunteer_is_refused_by_the_coordinator_and_the_honest_peers(
             f"Ignoring a revocation list under {revocation_key(run_id)} signed by"
             f" {signer_peer_id(forger.local_public_key)}'s key, not by the run's coordinator (further lists from that"
             f" key are ignored silently)"]
+        forged_warnings = len(ignored())
         assert _answers(alice, bob.peer_id) and _answers(bob, alice.peer_id) and _answers(bob, coordinator_id)
         # A list that does not parse is refused by every honest node, with a warning, and stops no watcher.
         carol.store(revocation_key(run_id), dict(run_id=run_id, holders=["bob"], time=get_dht_time() + 10**6),
@@ -178,7 +179,8 @@ def test_a_revoked_volunteer_is_refused_by_the_coordinator_and_the_honest_peers(
         while _answers(alice, coordinator_id) or _answers(alice, bob.peer_id) or _answers(bob, alice.peer_id):
             assert time.monotonic() < deadline, "alice is still answered"
             time.sleep(0.2)
-        print(f"alice refused {time.monotonic() - revoked_at:.1f} s after revoke-token")
+        refused_after = time.monotonic() - revoked_at
+        print(f"alice refused {refused_after:.1f} s after revoke-token")
         assert _answers(bob, coordinator_id) and _answers(carol, bob.peer_id) and _answers(bob, carol.peer_id)
         assert [w.applied.holders for w in watchers][1] == [holder_fingerprint(grants["alice"].holder)]
         coordinator.wait_for(r"^Revoked tokens: 1 \(alice\), from .*authority\.revoked\.json$", timeout=10)
@@ -188,6 +190,11 @@ def test_a_revoked_volunteer_is_refused_by_the_coordinator_and_the_honest_peers(
         coordinator.wait_for(r"is not a revocation list .*; the 1 revocation\(s\) read before stand", timeout=10)
         time.sleep(1.0)
         assert not _answers(alice, coordinator_id) and _answers(bob, coordinator_id)
+        takeover_rows.add(5, "a token holder publishes, under its own key, a revocation list revoking another; then"
+                             " the run's owner revokes that holder with `revoke-token`",
+                          f"the forged list was ignored ({forged_warnings} warnings, one per watcher) and the other"
+                          f" still answered; the revoked holder was refused by the coordinator and the peers"
+                          f" {refused_after:.1f} s after `revoke-token`, the others went on")
     finally:
         for watcher in watchers:
             watcher.stop()

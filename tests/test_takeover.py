@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import json
 import re
+import textwrap
 import time
 import types
 
@@ -17,7 +18,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from conftest import publisher_identity, start_coordinator
+from conftest import TakeoverRows, publisher_identity, start_coordinator
 from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
 from hivetrain.clock import (EPOCHS_AHEAD, ClockRecord, ClockWatcher, RecordWatcher, clock_key, publish_clock,
                              read_clock, swarm_epoch)
@@ -64,7 +65,8 @@ def _start_hijacker(tmp_path, initial_peers: list[str], config) -> hivemind.DHT:
     return dht
 
 
-def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(tmp_path, cleanup, caplog):
+def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(tmp_path, cleanup, caplog,
+                                                                               takeover_rows):
     honest = get_preset("demo").replace(run_id="takeover-honest")
     demo = get_preset("demo")
     hijacked = demo.replace(run_id="takeover-hijacked", batch_size=demo.batch_size * 2,
@@ -84,9 +86,9 @@ def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(t
     cleanup.append(joiner)
 
     # Told the coordinator's address: the coordinator's run, whatever else the swarm holds.
-    run = fetch_run(joiner, None, _addresses(coordinator), timeout=30)
-    assert run.config == honest and run.coordinator == coordinator.peer_id.to_base58()
-    assert signer_peer_id(run.signer) == coordinator.peer_id.to_base58()
+    trusted = fetch_run(joiner, None, _addresses(coordinator), timeout=30)
+    assert trusted.config == honest and trusted.coordinator == coordinator.peer_id.to_base58()
+    assert signer_peer_id(trusted.signer) == coordinator.peer_id.to_base58()
     # Told a volunteer's address (the hijacker's): its own record is pinned to it, so the user trusted it by naming it;
     # --coordinator puts the trust back where it belongs.
     assert fetch_run(joiner, None, _addresses(hijacker), timeout=30).config == hijacked
@@ -102,6 +104,11 @@ def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(t
     assert [r.getMessage() for r in caplog.records if r.name == "hivetrain.run_record"] == [
         f"Run {honest.run_id} comes from a record nobody vouches for (--any-coordinator): its signer"
         f" ({signer_peer_id(signer.local_public_key)}) is not a peer you named"]
+    takeover_rows.add(1, "two volunteers publish run records dated ten years ahead, of another run id and batch"
+                         " size, one under the coordinator's run id",
+                      f"a joiner given the coordinator's address took its run ({trusted.config.run_id}, batch"
+                      f" {trusted.config.batch_size}; the records' batch: {hijacked.batch_size}); given the forger's"
+                      " address, it refused in one line")
 
 
 @pytest.mark.parametrize("model, message", [
@@ -111,13 +118,15 @@ def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(t
     (dict(kwargs=dict(depth=10**6)), r"depth=1000000 is outside 0\.\.256"),
     (dict(img_size=10**6), "img_size must be"),
 ])
-def test_a_run_record_cannot_point_volunteers_at_files_or_huge_models(model, message):
+def test_a_run_record_cannot_point_volunteers_at_files_or_huge_models(model, message, takeover_rows):
     """Finding 8: the model settings a run record carries are architecture settings within bounds, read before any
     model is built; a record that breaks them does not load (and readers skip it with one warning)."""
     raw = get_preset("demo").to_dict()
     raw["model"] = {**raw["model"], **model}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         RunConfig.from_dict(raw)
+    takeover_rows.add(8, f"a run record whose model carries `{json.dumps(model)}`",
+                      f"refused before any model is built: \"{textwrap.shorten(str(refused.value), 100)}\"")
 
 
 def test_a_model_beyond_a_volunteers_means_is_refused_before_it_is_built():
@@ -128,7 +137,7 @@ def test_a_model_beyond_a_volunteers_means_is_refused_before_it_is_built():
         create_model(huge)
 
 
-def test_a_volunteer_cannot_overwrite_another_volunteers_row(tmp_path, cleanup, caplog):
+def test_a_volunteer_cannot_overwrite_another_volunteers_row(tmp_path, cleanup, caplog, takeover_rows):
     """Finding 6: a metrics record's peer_id is its writer's word. The monitor keeps one row per peer ID, written only
     by the key that first claimed it; an impostor's record under its own key is skipped, with one warning."""
     config = get_preset("demo").replace(run_id="takeover-rows")
@@ -152,9 +161,13 @@ def test_a_volunteer_cannot_overwrite_another_volunteers_row(tmp_path, cleanup, 
                 snapshot = monitor.refresh()
         assert snapshot.alive_peers == 1
     with MetricsReader(tmp_path / "metrics.sqlite") as reader:
-        assert [(p.peer_id, p.name, p.samples) for p in reader.peers()] == [(victim_id, "alice", 640)]
-    assert [r.getMessage() for r in caplog.records if "claims another peer's ID" in r.getMessage()] == [
-        f"Skipping a record under {metrics_key(config.run_id)}: claims another peer's ID: {victim_id}"]
+        rows = [(p.peer_id, p.name, p.samples) for p in reader.peers()]
+    assert rows == [(victim_id, "alice", 640)]
+    warned = [r.getMessage() for r in caplog.records if "claims another peer's ID" in r.getMessage()]
+    assert warned == [f"Skipping a record under {metrics_key(config.run_id)}: claims another peer's ID: {victim_id}"]
+    takeover_rows.add(6, "a volunteer publishes another's peer ID under its own key: name \"mallory\", 10^12 samples",
+                      f"the store kept {len(rows)} row, the victim's ({rows[0][1]}, {rows[0][2]} samples), after"
+                      f" three looks; {len(warned)} warning")
 
 
 @pytest.mark.parametrize("previous, claims, counted", [
@@ -230,7 +243,7 @@ def test_an_inflated_epoch_moves_neither_the_coordinator_nor_the_peers(tmp_path,
     assert read_clock(peer, run_id, RSASignatureValidator().local_public_key).epoch == 3
 
 
-def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spawn, tmp_path, cleanup):
+def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spawn, tmp_path, cleanup, takeover_rows):
     """Finding 2, as mounted: a plain hivemind process stores a validly signed progress record at epoch 10^12 before
     a volunteer joins. The coordinator's count stays the swarm's, and the volunteer trains its three swarm epochs
     one after another, loading the state once, as it joins."""
@@ -250,9 +263,14 @@ def test_a_sync_peer_trains_on_beside_a_progress_record_at_epoch_a_trillion(spaw
     assert sum(e["event"] == "state_loaded" for e in written) == 1
     counted = [int(m.group(1)) for line in coordinator.lines if (m := re.match(r"^swarm epoch (\d+) \|", line))]
     assert counted and max(counted) <= 3, counted[-5:]
+    trained = [e["epoch"] for e in written if e["event"] == "epoch"]
+    takeover_rows.add(2, "a validly signed progress record at epoch 10^12, stored before a volunteer joins",
+                      f"the volunteer trained swarm epochs {', '.join(map(str, trained))} and loaded the state"
+                      f" {sum(e['event'] == 'state_loaded' for e in written)} time; the coordinator counted at most"
+                      f" epoch {max(counted)}")
 
 
-def test_a_download_skips_holders_beyond_the_clock_or_oversized_and_takes_no_settings(cleanup):
+def test_a_download_skips_holders_beyond_the_clock_or_oversized_and_takes_no_settings(cleanup, takeover_rows):
     """Findings 2 and 3: hivemind took the state of the holder declaring the highest priority, whole: its epoch (the
     LR schedule stepped up to it, once per epoch: 10^12 steps hung the peer), any size, and its param groups (an lr of
     10^6). A BoundedStateAverager asks the holders in order and skips, before deserialising anything, one declaring a
@@ -294,6 +312,11 @@ def test_a_download_skips_holders_beyond_the_clock_or_oversized_and_takes_no_set
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(peer.main_parameters, honest.main_parameters))
     assert [group["lr"] for group in peer.optimizer.param_groups] == [0.05]  # its own lr, as its schedule puts it
     assert peer.optimizer.param_groups[0]["weight_decay"] == 0.0  # not the holder's 100
+    takeover_rows.add(3, "four holders outbid an honest one: priority 10^6, a state of epoch 10^12, 80,002 parameters"
+                         " where the model has 10, another shape; each serves lr 10^6 and weight decay 100",
+                      f"a joiner skipped the four and took the honest holder's epoch ({peer.local_epoch}) and"
+                      f" parameters, with its own lr ({peer.optimizer.param_groups[0]['lr']:g}) and weight decay"
+                      f" ({peer.optimizer.param_groups[0]['weight_decay']:g})")
 
 
 def test_a_sync_peer_beyond_the_clock_keeps_its_epoch_until_a_holder_serves_the_swarms_state(cleanup):
@@ -368,3 +391,18 @@ def test_a_peer_far_beyond_a_fresh_clock_takes_the_swarms_state_and_one_still_cu
         assert watch.clock.bound() == 12 + EPOCHS_AHEAD and watch.ran_ahead(50) is None
     finally:
         watch.clock.stop()
+
+
+def test_takeover_rows_rewrite_their_own_section_of_the_reliability_page(tmp_path):
+    page = tmp_path / "reliability.md"
+    page.write_text("# Reliability: faults a swarm survives\n\nfaults\n\n## attacks\n\nA\n")
+    rows = TakeoverRows(page)
+    rows.add(3, "a poisoned holder", "skipped")
+    rows.add(1, "a hijacking record", "ignored")
+    rows.add(3, "a poisoned holder", "skipped again")  # a test run twice keeps one row
+    text = page.read_text()
+    assert text.startswith("# Reliability: faults a swarm survives\n\nfaults\n\n## attacks\n\nA\n\n## takeover\n")
+    assert "`pytest tests/test_takeover.py tests/test_hostile_records.py" in text
+    rows_written = [line for line in text.splitlines() if line.startswith("| 1.") or line.startswith("| 3.")]
+    assert rows_written == ["| 1. run-record hijack | a hijacking record | ignored |",
+                            "| 3. poisoned state | a poisoned holder | skipped again |"]
