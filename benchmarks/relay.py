@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.harness import MONITOR_ONLY, Process, start_coordinator, start_peer
 from benchmarks.netns import NattedNamespace
@@ -127,21 +128,62 @@ def relay_section(result: dict, env: dict, out: Path) -> str:
     )
 
 
-def _carried_over(result: dict) -> str:
-    """The cost per trainer and round as a fixed part plus a part per parameter, fitted on the two-trainer runs of
-    two model sizes, and carried over to the mission's model."""
-    mission, bytes_ = result["mission_parameters"], 2 * result["mission_parameters"] * result["mission_value_bytes"]
+@dataclasses.dataclass(frozen=True)
+class RelayCapacity:
+    """What the relay costs per unreachable trainer and round, carried over to the mission's model, and how many such
+    trainers one coordinator serves at a round a minute (ROUND_EVERY_S)."""
+
+    mission: str
+    mission_parameters: int
+    bytes_per_trainer: float  # through the coordinator per round: the trainer's copy in, the average back
+    fixed_cpu_s: Optional[float] = None  # relay CPU per trainer and round: fixed + per_parameter x parameters
+    per_parameter_cpu_s: Optional[float] = None
+
+    @property
+    def cpu_per_trainer_s(self) -> Optional[float]:
+        if self.fixed_cpu_s is None:
+            return None
+        return self.fixed_cpu_s + self.per_parameter_cpu_s * self.mission_parameters
+
+    @property
+    def trainers_per_core(self) -> Optional[float]:
+        return None if self.cpu_per_trainer_s is None else ROUND_EVERY_S / self.cpu_per_trainer_s
+
+    @property
+    def trainers_per_gigabit(self) -> float:
+        return ROUND_EVERY_S * GIGABIT_BYTES_S / self.bytes_per_trainer
+
+
+ROUND_EVERY_S = 60.0  # the pace the capacity is given at: a round a minute
+GIGABIT_BYTES_S = 125e6  # a 1 Gbit/s link, each way
+
+
+def relay_capacity(result: dict) -> RelayCapacity:
+    """The relay's cost per trainer and round as a fixed part plus a part per parameter, fitted on the two-trainer
+    diloco runs of two model sizes (the fixed and per-parameter parts are None with one size), carried over to the
+    mission's model."""
+    mission = result["mission_parameters"]
+    capacity = RelayCapacity(result["mission"], mission, 2 * mission * result["mission_value_bytes"])
     pairs = sorted({r["parameters"]: r["cpu_seconds_median"] / r["trainers"] for r in result["results"]
                     if r["trainers"] == 2 and r.get("mode", "diloco") == "diloco"}.items())
-    moved = (f"Each round moves 2 x the model's size per trainer through the coordinator (its copy in, the average"
-             f" back): {bytes_ / 1e6:.0f} MB per trainer for `{result['mission']}` ({mission:,} parameters, fp16).")
     if len(pairs) < 2:
-        return moved + " (One model size measured: no cost per parameter to carry over.)"
+        return capacity
     (small, small_cpu), (large, large_cpu) = pairs[0], pairs[-1]
     per_parameter = max(0.0, (large_cpu - small_cpu) / (large - small))
-    fixed = max(0.0, small_cpu - per_parameter * small)
-    cpu = fixed + per_parameter * mission
-    return (moved + f" The relay's CPU per trainer and round, fitted on the two-trainer diloco runs: {fixed:.2f} s plus"
-            f" {per_parameter * 1e6:.3f} s per million parameters, so about {cpu:.0f} s for `{result['mission']}`"
-            f" (if reducing stays linear in size). With a round a minute, one coordinator core keeps up with about"
-            f" {60 / cpu:.0f} trainers, and a 1 Gbit/s link with about {60 * 125e6 / bytes_:.0f}.")
+    return dataclasses.replace(capacity, fixed_cpu_s=max(0.0, small_cpu - per_parameter * small),
+                               per_parameter_cpu_s=per_parameter)
+
+
+def _carried_over(result: dict) -> str:
+    capacity = relay_capacity(result)
+    moved = (f"Each round moves 2 x the model's size per trainer through the coordinator (its copy in, the average"
+             f" back): {capacity.bytes_per_trainer / 1e6:.0f} MB per trainer for `{capacity.mission}`"
+             f" ({capacity.mission_parameters:,} parameters, fp16).")
+    if capacity.cpu_per_trainer_s is None:
+        return moved + " (One model size measured: no cost per parameter to carry over.)"
+    return (moved + f" The relay's CPU per trainer and round, fitted on the two-trainer diloco runs:"
+            f" {capacity.fixed_cpu_s:.2f} s plus {capacity.per_parameter_cpu_s * 1e6:.3f} s per million parameters,"
+            f" so about {capacity.cpu_per_trainer_s:.0f} s for `{capacity.mission}` (if reducing stays linear in"
+            f" size). With a round a minute, one coordinator core keeps up with about"
+            f" {capacity.trainers_per_core:.0f} trainers, and a 1 Gbit/s link with about"
+            f" {capacity.trainers_per_gigabit:.0f}.")

@@ -8,8 +8,11 @@ benchmarks/.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from benchmarks.relay import GIGABIT_BYTES_S, ROUND_EVERY_S, relay_capacity
+from benchmarks.report import RECORDS, newest_record
 from benchmarks.scale import PUBLISHERS_WINDOW_S
 from benchmarks.scale_fit import (COORDINATOR_CORES, JOIN_FRACTION, PROGRESS_READ_EVERY_S, PUBLISHERS_LOOK_EVERY_S,
                                   REACHABLE_FRACTION, REFRESH_S, SIZES, STORM_WAIT_S, UPLINK_BYTES_S,
@@ -40,7 +43,7 @@ def header_section(env: dict) -> str:
         f" {env['hivemind']}). Measured on a 2-core machine that every peer, the coordinator and the publishers"
         " share: CPU and time figures at the larger N measure the machine as much as the swarm."
         " All traffic is on loopback. `python -m benchmarks.bench scale --page` rebuilds this page from the newest"
-        " record.\n\n")
+        " record (and the relay suite's newest, for the last section).\n\n")
 
 
 def swarms_section(result: dict) -> str:
@@ -260,6 +263,45 @@ def limits_section(limits: dict[str, Limit]) -> str:
         f"{limit_rows}")
 
 
+def relay_section(path: Path) -> str:
+    """The section "The coordinator as a relay": the relay suite's record at `path` (benchmarks.relay), what it
+    measured and how many unreachable trainers one coordinator serves at the mission's model.
+
+    Args:
+        path: a record of the relay suite (the newest, on the committed page).
+    """
+    record = json.loads(path.read_text())
+    env, result = record["environment"], record["result"]
+    capacity = relay_capacity(result)
+    rows = "".join(f"| `{r['preset']}` | {r.get('mode', 'diloco')} | {r['parameters']:,} | {r['trainers']} |"
+                   f" {r['bytes_per_round'] / r['trainers'] / 1e6:.1f} | {r['seconds_median']:.2f} |"
+                   f" {r['cpu_seconds_median'] / r['trainers']:.2f} |\n" for r in result["results"])
+    if capacity.cpu_per_trainer_s is None:
+        served = (f"about {capacity.trainers_per_gigabit:.0f} per Gbit/s of its link, each way (one model size"
+                  " measured: no CPU cost per parameter to carry over)")
+    else:
+        served = (f"about {min(capacity.trainers_per_core, capacity.trainers_per_gigabit):.0f}: one core of its CPU"
+                  f" keeps up with {capacity.trainers_per_core:.0f} ({capacity.cpu_per_trainer_s:.1f} s per trainer and"
+                  f" round: {capacity.fixed_cpu_s:.2f} s plus {capacity.per_parameter_cpu_s * 1e6:.3f} s per million"
+                  " parameters, fitted on the two-trainer diloco runs of two model sizes), and a link of"
+                  f" {GIGABIT_BYTES_S * 8 / 1e9:.0f} Gbit/s each way with {capacity.trainers_per_gigabit:.0f}")
+    return (
+        "## The coordinator as a relay for unreachable peers\n\n"
+        f"From the relay suite's record `{path.relative_to(RECORDS.parent.parent)}` (`{record['command']}` on"
+        f" {env['date']}, commit {env['commit']}): each trainer behind a NAT of its own, so that the coordinator leads"
+        " every round as an auxiliary peer and every trainer's copy goes through it, in and back. Per trainer and"
+        " round, medians over the rounds relayed with every trainer:\n\n"
+        "| preset | mode | parameters | trainers | through the coordinator (MB) | a round (s) | relay CPU (s) |\n"
+        "|---|---|---:|---:|---:|---:|---:|\n" + rows + "\n"
+        f"**Extrapolated, not measured:** for `{capacity.mission}` ({capacity.mission_parameters:,} parameters, fp16"
+        f" on the wire) each unreachable trainer moves {capacity.bytes_per_trainer / 1e6:.0f} MB through the"
+        f" coordinator per round. At a round every {ROUND_EVERY_S:.0f} s, the largest swarm of unreachable trainers"
+        f" one coordinator serves is {served}. Reachable"
+        " volunteers cost it nothing: one of them leads the rounds, and the coordinator relays only when none can be"
+        " dialled. What lifts it: a reachable volunteer in the swarm, or a coordinator with more cores and a faster"
+        " link.\n\n")
+
+
 def scale_page(result: dict, env: dict, out: Path) -> str:
     """The whole of logbook/scale.md from a record's result: benchmarks.bench's renderer for the scale suite.
 
@@ -275,4 +317,5 @@ def scale_page(result: dict, env: dict, out: Path) -> str:
     limits = scale_limits(fits, spread, result["models"])
     return (header_section(env) + swarms_section(result) + publishers_section(result["publishers"])
             + storm_section(result["storm"], spread) + fits_section(fits)
-            + extrapolation_section(result["models"], fits, spread, limits) + limits_section(limits))
+            + extrapolation_section(result["models"], fits, spread, limits) + limits_section(limits)
+            + "\n" + relay_section(newest_record("relay")))
