@@ -42,6 +42,7 @@ from benchmarks.communication import communication_section, communication_suite
 from benchmarks.convergence import convergence_section, convergence_suite
 from benchmarks.defences import attacks_section, attacks_suite
 from benchmarks.harness import ROOT
+from benchmarks import report
 from benchmarks.report import RECORDS, newest_record  # noqa: F401 (the tests read records through bench)
 from benchmarks.join import join_section, join_suite
 from benchmarks.links import links_section, links_suite
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work)
         return 0
     shutil.rmtree(work)
-    RECORDS.mkdir(parents=True, exist_ok=True)
-    path = RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    report.RECORDS.mkdir(parents=True, exist_ok=True)
+    path = report.RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     write_section(args.suite, render(args.suite, record, path, page.parent))
     print(f"Wrote {_shown(page)} ({args.suite}) and {_shown(path)}")

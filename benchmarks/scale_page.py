@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 from benchmarks.relay import GIGABIT_BYTES_S, ROUND_EVERY_S, relay_capacity
-from benchmarks.report import RECORDS, newest_record
+from benchmarks.harness import ROOT
+from benchmarks.report import newest_record
 from benchmarks.scale import PUBLISHERS_WINDOW_S
 from benchmarks.scale_fit import (COORDINATOR_CORES, JOIN_FRACTION, PROGRESS_READ_EVERY_S, PUBLISHERS_LOOK_EVERY_S,
                                   REACHABLE_FRACTION, REFRESH_S, SIZES, STORM_WAIT_S, UPLINK_BYTES_S,
@@ -287,7 +288,8 @@ def relay_section(path: Path) -> str:
                   f" {GIGABIT_BYTES_S * 8 / 1e9:.0f} Gbit/s each way with {capacity.trainers_per_gigabit:.0f}")
     return (
         "## The coordinator as a relay for unreachable peers\n\n"
-        f"From the relay suite's record `{path.relative_to(RECORDS.parent.parent)}` (`{record['command']}` on"
+        f"From the relay suite's record `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`"
+        f" (`{record['command']}` on"
         f" {env['date']}, commit {env['commit']}): each trainer behind a NAT of its own, so that the coordinator leads"
         " every round as an auxiliary peer and every trainer's copy goes through it, in and back. Per trainer and"
         " round, medians over the rounds relayed with every trainer:\n\n"

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from benchmarks import bench
+from benchmarks import bench, report
 
 
 def smoke(suite: str) -> tuple[dict, str]:
@@ -94,7 +94,7 @@ def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
 def test_page_rebuilds_from_the_newest_record_without_measuring(tmp_path, monkeypatch):
     """--page: a section, or the scale suite's whole page, again from the suite's newest record; nothing runs."""
     monkeypatch.setattr(bench, "PAGE", tmp_path / "benchmarks.md")
-    monkeypatch.setattr(bench, "RECORDS", tmp_path / "records")
+    monkeypatch.setattr(report, "RECORDS", tmp_path / "records")
     (tmp_path / "records").mkdir()
 
     def measure(work, smoke):
@@ -107,7 +107,9 @@ def test_page_rebuilds_from_the_newest_record_without_measuring(tmp_path, monkey
         (tmp_path / "records" / f"bench-join-{time}.json").write_text(json.dumps(dict(
             suite="join", command="python -m benchmarks.bench join", environment={}, result=value)))
     kept = ROOT / "logbook" / "bench-records" / "bench-scale-20261126T065735.json"
-    (tmp_path / "records" / kept.name).write_text(kept.read_text())
+    relay = ROOT / "logbook" / "bench-records" / "bench-relay-20261128T131526.json"  # its last section quotes it
+    for record in (kept, relay):
+        (tmp_path / "records" / record.name).write_text(record.read_text())
     assert bench.main(["join", "--page"]) == 0 and bench.main(["scale", "--page"]) == 0
     assert (tmp_path / "benchmarks.md").read_text().endswith("## join\n\nnew by python -m benchmarks.bench join\n")
     page = (tmp_path / "scale.md").read_text()
@@ -115,6 +117,7 @@ def test_page_rebuilds_from_the_newest_record_without_measuring(tmp_path, monkey
     assert page.startswith("# Scale") and "Written by `python -m benchmarks.scale` from the record" in page
     assert f"{tmp_path / 'records' / kept.name}`: measured on 2026-11-26 06:50 UTC at commit 538edd2" in page
     assert "`python -m benchmarks.bench scale --page` rebuilds this page" in page
+    assert "## The coordinator as a relay for unreachable peers" in page and relay.name in page
 
 
 def test_monitor_suite_smoke():
