@@ -38,7 +38,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import SwarmConfig
-from hivetrain.hivemind_internals import HookedProgressTracker
+from hivetrain.hivemind_internals import HookedProgressTracker, other_training_peers
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import INT64_MAX, vetted
@@ -210,6 +210,7 @@ class DiLoCoRounds:
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
                                             round_seconds=round_seconds, metadata_expiration=RECORD_LIFETIME,
                                             private_key=private_key, start=True)
+        self.outer.left_alone = self._left_alone
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.last_round_steps: Optional[int] = None  # the inner steps behind this peer's last round
@@ -239,6 +240,11 @@ class DiLoCoRounds:
     @property
     def num_peers(self) -> int:
         return self.tracker.global_progress.num_peers
+
+    def _left_alone(self) -> bool:
+        """In a swarm of two: whether the other peer has left since the tracker's last look (its progress record
+        withdrawn), read from the DHT now."""
+        return self.num_peers == 2 and other_training_peers(self.tracker) == 0
 
     @property
     def missed_rounds(self) -> int:

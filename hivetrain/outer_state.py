@@ -14,7 +14,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
-from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
+from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging, wait_unless_left_alone
 from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
 from hivetrain.swarm_options import wire_bytes
@@ -73,6 +73,9 @@ class OuterState(RobustAveraging, BoundedDownloads):
     hyperparameters in torch's SGD form, which is what checkpoints store."""
 
     # epoch_bound (BoundedDownloads): the highest round a groupmate or a downloaded state may name; None: any.
+    # Whether the other peer of a swarm of two has left (hivetrain.diloco.DiLoCoRounds): a round looking for it is
+    # then given up, and this peer's own step stands (wait_unless_left_alone).
+    left_alone: Callable[[], bool] = staticmethod(lambda: False)
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
@@ -279,11 +282,16 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 self.group_ready_when_due = scheduled.stage == AveragingStage.AWAITING_TRIGGER
                 scheduled.weight = weight
                 scheduled.allow_allreduce()
-                return scheduled.result()
-            self._robust_group(started_round)
-            # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
-            # progress, and a slow peer after its current step.
-            return self.step(weight=weight, timeout=timeout, gather=started_round)
+                control = scheduled
+            else:
+                self._robust_group(started_round)
+                # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
+                # progress, and a slow peer after its current step.
+                control = self.step(weight=weight, timeout=timeout, gather=started_round, wait=False)
+            if wait_unless_left_alone(control, self.left_alone, timeout):
+                logger.info(f"Outer round {started_round}: the other peer left during it, this peer's step stands")
+                return {self.peer_id: started_round}  # a group of one: this peer's own step
+            return control.result()
         except Exception as e:  # no group, a groupmate that vanished mid-round
             logger.debug(f"Outer round {started_round} failed: {type(e).__name__}: {e}")
             return None

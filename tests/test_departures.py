@@ -2,11 +2,9 @@
 record and its offer to share state before it exits, and a killed peer's records lapse within RECORD_LIFETIME, so the
 others neither wait for it in a round's target nor ask it for the state. In both swarm modes, on loopback."""
 
-import functools
 import re
 import threading
 import time
-import types
 
 import hivemind
 import pytest
@@ -17,7 +15,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.hivemind_internals.optimizer import LEFT_ALONE_CHECK_S, PatchedOptimizer
+from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S, other_training_peers, wait_unless_left_alone
 from hivetrain.outer_state import outer_state_prefix
 from hivetrain.swarm import RECORD_LIFETIME
 from hivetrain.telemetry import PEER_RECORD_TTL, metrics_key
@@ -98,9 +96,9 @@ def test_departed_peers_stop_counting(spawn, tmp_path, mode):
 
 
 def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
-    """A swarm of two: the other peer leaves (withdrawing its progress record) while this one's gradient round looks
-    for it. hivemind waited for the group until the averaging timeout; the round is now cancelled within about
-    LEFT_ALONE_CHECK_S of the withdrawal, and not before it."""
+    """A swarm of two: the other peer leaves (withdrawing its progress record) while this one's round looks for it.
+    hivemind waited for the group until the averaging timeout; the round (a sync peer's gradient round, a diloco
+    peer's outer round) is now cancelled within about LEFT_ALONE_CHECK_S of the withdrawal, and not before it."""
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     cleanup.append(dht)
     tracker = ProgressTracker(dht, "left-alone", target_batch_size=64, start=False)
@@ -112,11 +110,12 @@ def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
                                    samples_per_second=1.0, time=get_dht_time(), client_mode=False)
     assert other.store(tracker.training_progress_key, record.dict(), get_dht_time() + 60,
                        subkey=signer.local_public_key)
-    optimizer = types.SimpleNamespace(dht=dht, tracker=tracker, averaging_timeout=60.0)
-    optimizer._other_training_peers = functools.partial(PatchedOptimizer._other_training_peers, optimizer)
     control, outcome = MPFuture(), []  # a round that never finds its group
-    waiting = threading.Thread(target=lambda: outcome.append(PatchedOptimizer._wait_unless_left_alone(optimizer,
-                                                                                                       control)))
+
+    def wait() -> None:
+        outcome.append(wait_unless_left_alone(control, lambda: other_training_peers(tracker) == 0, timeout=60.0))
+
+    waiting = threading.Thread(target=wait)
     waiting.start()
     time.sleep(3 * LEFT_ALONE_CHECK_S)
     assert waiting.is_alive() and not control.done()  # the other peer is there: the round goes on

@@ -14,6 +14,7 @@ import hivemind
 import hivemind.averaging.averager
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
@@ -210,6 +211,7 @@ class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
             yield message
 
 
+
 def _warn_refused(caller: PeerID) -> None:
     _warn_once_a_minute((caller, "refused"), f"Refusing averaging requests from {caller}: no member record of this"
                                              f" private run vouches for it")
@@ -381,3 +383,29 @@ class BoundedStateAverager(TrainingStateAverager, BoundedDownloads):
                 group.update(own)
             self.states_taken += 1
         super()._update_scheduler()
+
+
+# --- rounds in a swarm of two -------------------------------------------------------------------------------------
+
+LEFT_ALONE_CHECK_S = 1.0  # how often a round in a swarm of two looks whether the other peer is still there
+
+
+def wait_unless_left_alone(control: StepControl, left_alone: Callable[[], bool], timeout: Optional[float]) -> bool:
+    """Wait for the averaging round `control` (at most `timeout` seconds; None: until it is done), asking
+    `left_alone()` every LEFT_ALONE_CHECK_S; cancel the round once it says so. Whether it did.
+
+    In a swarm of two, the other peer may leave while this one's round looks for it: the round was scheduled ahead, or
+    began before the other's withdrawn record reached this peer's tracker. hivemind then looked for the group until
+    the averaging timeout (10 s to minutes) before this peer stepped alone, at every departure that left one peer."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            control.result(timeout=LEFT_ALONE_CHECK_S)
+        except BaseException:  # not done yet; or failed, cancelled: the caller's own wait says so
+            pass
+        if control.done():
+            return False
+        if left_alone():
+            control.cancel()
+            return True
+    return False

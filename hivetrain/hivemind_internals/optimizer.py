@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from typing import Any, Optional
+from typing import Any
 
 import hivemind
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import ValueWithExpiration
 
 from hivetrain.hivemind_internals.averaging import (BoundedStateAverager, members_only_class,
-                                                    robust_averager_class)
-from hivetrain.hivemind_internals.records import HookedProgressTracker, progress_subkey
+                                                    robust_averager_class, wait_unless_left_alone)
+from hivetrain.hivemind_internals.records import HookedProgressTracker, other_training_peers
 
 logger = logging.getLogger(__name__)
-
-LEFT_ALONE_CHECK_S = 1.0  # how often a round in a swarm of two looks whether the other peer is still there
 
 
 # --- hivemind.Optimizer and its state averager --------------------------------------------------------------------
@@ -42,7 +38,7 @@ class PatchedOptimizer(hivemind.Optimizer):
       The gradient averager takes the state averager's group size cap and group bits too, for the same reason: a
       run averaging in groups would otherwise average its gradients in one group of everyone.
     - A peer alone schedules no averaging rounds (see below).
-    - In a swarm of two, a round the other peer left is given up at once (see _wait_unless_left_alone).
+    - In a swarm of two, a round the other peer left is given up at once (wait_unless_left_alone).
     - It pre-schedules its state averaging rounds, as it does its gradient rounds (see __init__).
     - `missed_round` tells whether the last step's gradient averaging round failed while one was begun.
     - Its state averager is a BoundedStateAverager: a downloaded state's epoch is bounded, its optimizer settings
@@ -109,8 +105,12 @@ class PatchedOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+        # in a swarm of two, a round the other peer left is given up at once (wait_unless_left_alone)
         left_alone = (maybe_step_control is not None and self.tracker.global_progress.num_peers == 2
-                      and self._wait_unless_left_alone(maybe_step_control))
+                      and wait_unless_left_alone(maybe_step_control, lambda: other_training_peers(self.tracker) == 0,
+                                                 self.averaging_timeout))
+        if left_alone:
+            logger.info("The other peer left during this round: stepping alone")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
         if maybe_step_control is None or left_alone:  # no round with others was missed: none were left
             self.missed_round = False
@@ -119,36 +119,3 @@ class PatchedOptimizer(hivemind.Optimizer):
             self.missed_round = not maybe_step_control.done() or maybe_step_control.exception() is not None
         except BaseException:  # a cancelled round
             self.missed_round = True
-
-    # In a swarm of two, the other peer may leave while this one's round looks for it: its round was scheduled ahead,
-    # or began before the other's withdrawn record reached this peer's tracker. hivemind then waited for the group
-    # until the averaging timeout (10-30 s) before this peer stepped alone, at every departure that left one peer.
-    def _wait_unless_left_alone(self, control) -> bool:
-        """Wait for the gradient round `control`, reading the swarm's progress records every LEFT_ALONE_CHECK_S, and
-        cancel it once no other training peer has a record: this peer then steps with its own gradients at once.
-        Whether it did. Runs with the tracker's updates paused (hivemind's _update_global_epoch), so the records are
-        counted here."""
-        deadline = time.monotonic() + self.averaging_timeout
-        while time.monotonic() < deadline:
-            try:
-                control.result(timeout=LEFT_ALONE_CHECK_S)
-            except BaseException:  # not done yet; or failed, cancelled: hivemind's own wait says so
-                pass
-            if control.done():
-                return False
-            if self._other_training_peers() == 0:
-                logger.info("The other peer left during this round: stepping alone")
-                control.cancel()
-                return True
-        return False
-
-    def _other_training_peers(self) -> Optional[int]:
-        """The other peers' live progress records in the DHT now, or None when they cannot be read."""
-        try:
-            found = self.dht.get(self.tracker.training_progress_key, latest=True)
-            entries = found.value if found is not None else {}
-            own = progress_subkey(self.tracker)
-            return sum(subkey != own and isinstance(entry, ValueWithExpiration) and entry.value is not None
-                       for subkey, entry in entries.items())
-        except Exception:  # the DHT shutting down, or records nobody can read: go on waiting as hivemind would
-            return None
