@@ -7,7 +7,6 @@ import resource
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -16,6 +15,7 @@ import psutil
 import torch
 
 from hivetrain.records import RankMemory, UtilisationSample
+from hivetrain.sampling import PeriodicSampler
 
 
 def _nvml_handle(device: torch.device):
@@ -30,16 +30,14 @@ def _nvml_handle(device: torch.device):
     return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 
-class UtilisationSampler:
-    """A daemon thread that records this process's CPU %, the machine's CPU % and RSS (and its GPU's utilisation and
-    memory through NVML) every `interval` seconds."""
+class UtilisationSampler(PeriodicSampler):
+    """This process's CPU %, the machine's CPU % and RSS (and its GPU's utilisation and memory through NVML), every
+    `interval` seconds."""
 
     def __init__(self, rank: int, device: torch.device, interval: float = 1.0):
-        self.rank, self.interval = rank, interval
-        self.samples: list[UtilisationSample] = []
+        super().__init__(interval, "utilisation-sampler")
+        self.rank = rank
         self._process = psutil.Process()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self._gpu = None
         if device.type == "cuda":
             try:
@@ -47,32 +45,20 @@ class UtilisationSampler:
             except Exception as e:  # no driver library, old driver: keep sampling the CPU side
                 print(f"warning: no GPU utilisation samples (NVML: {e})", flush=True)
 
-    def start(self) -> None:
+    def before_first(self) -> bool:
         self._started = time.monotonic()
         self._process.cpu_percent(None)  # the first call only sets the reference point
         self._last_times = psutil.cpu_times()
-        self._thread = threading.Thread(target=self._run, name="utilisation-sampler", daemon=True)
-        self._thread.start()
+        return True
 
-    def stop(self) -> list[UtilisationSample]:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-        return self.samples
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.samples.append(self.sample())
-
-    def sample(self) -> UtilisationSample:
+    def sample(self) -> list[UtilisationSample]:
         gpu_util = gpu_memory = None
         if self._gpu is not None:
             import pynvml
 
             gpu_util = float(pynvml.nvmlDeviceGetUtilizationRates(self._gpu).gpu)
             gpu_memory = int(pynvml.nvmlDeviceGetMemoryInfo(self._gpu).used)
-        return UtilisationSample(
+        return [UtilisationSample(
             time_s=round(time.monotonic() - self._started, 3),
             rank=self.rank,
             cpu_percent=self._process.cpu_percent(None),
@@ -80,7 +66,7 @@ class UtilisationSampler:
             rss_bytes=self._process.memory_info().rss,
             gpu_util_percent=gpu_util,
             gpu_memory_bytes=gpu_memory,
-        )
+        )]
 
     def _system_cpu_percent(self) -> float:
         # Our own reference point: psutil.cpu_percent(None) shares one with every other caller in the process.

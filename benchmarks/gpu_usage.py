@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 from baselines.utilisation import NvidiaSmiLog
+from hivetrain.sampling import PeriodicSampler
 
 # The two raw views: the overview (GPUs, memory, processes) and the memory and utilisation details.
 NVIDIA_SMI_VIEWS = {
@@ -66,20 +66,18 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)  # older nvidia-ml-py returns bytes
 
 
-class NvmlSeries:
-    """A daemon thread that samples every GPU's utilisation (%) and memory in use (bytes) every `interval` seconds;
-    each sample's time is in seconds since `zero` (a time.monotonic() value: the start of the whole proof, so the
-    series of consecutive runs line up)."""
+class NvmlSeries(PeriodicSampler):
+    """Every GPU's utilisation (%) and memory in use (bytes), at start and every `interval` seconds; each sample's time
+    is in seconds since `zero` (a time.monotonic() value: the start of the whole proof, so the series of consecutive
+    runs line up). `error` says why the series is empty or stopped short."""
 
     def __init__(self, zero: float, interval: float = 1.0):
-        self.zero, self.interval = zero, interval
-        self.samples: list[dict] = []
+        super().__init__(interval, "nvml-series")
+        self.zero = zero
         self.error: Optional[str] = None
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self._handles: list = []
 
-    def start(self) -> None:
+    def before_first(self) -> bool:
         try:
             import pynvml
 
@@ -87,31 +85,22 @@ class NvmlSeries:
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         except Exception as e:  # no driver library, old driver: the record says why the series is empty
             self.error = f"NVML: {type(e).__name__}: {e}"
-            return
-        self._thread = threading.Thread(target=self._run, name="nvml-series", daemon=True)
-        self._thread.start()
+            return False
+        self.samples.extend(self.sample())
+        return True
 
-    def stop(self) -> list[dict]:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-        return self.samples
-
-    def _run(self) -> None:
+    def sample(self) -> list[dict]:
         import pynvml
 
-        while True:
-            now = round(time.monotonic() - self.zero, 2)
-            for index, handle in enumerate(self._handles):
-                try:
-                    self.samples.append(dict(
-                        time_s=now, gpu=index, util_percent=float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                        memory_used_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)))
-                except pynvml.NVMLError as e:  # a GPU that stops answering: keep the others, say why once
-                    self.error = self.error or f"NVML: {e}"
-            if self._stop.wait(self.interval):
-                return
+        now, samples = round(time.monotonic() - self.zero, 2), []
+        for index, handle in enumerate(self._handles):
+            try:
+                samples.append(dict(time_s=now, gpu=index,
+                                    util_percent=float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                                    memory_used_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)))
+            except pynvml.NVMLError as e:  # a GPU that stops answering: keep the others, say why once
+                self.error = self.error or f"NVML: {e}"
+        return samples
 
 
 class RunMonitor:

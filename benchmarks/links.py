@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
 from benchmarks.harness import Process, reached_epoch, run_swarm
 from benchmarks.report import measured_by, verdict
 from benchmarks.throughput import THROUGHPUT_PRESET
+from hivetrain.sampling import PeriodicSampler
 
 
 LINK_RATES_MBIT = (1000, 100, 20)  # a data-centre link, a good home line, a volunteer's typical uplink
@@ -25,26 +25,21 @@ SMOKE_SWARM_SECONDS = 12  # a smoke run's: some steps of each peer and bytes ove
 LINK_RUNS = ("ddp", "sync", "diloco", "diloco-overlapped")  # diloco: blocking rounds; diloco-overlapped: overlapped
 
 
-class LinkCounter(threading.Thread):
-    """The bytes sent over a LinkedNamespaces link, sampled every half second while in a `with` block."""
+class LinkCounter(PeriodicSampler):
+    """The bytes sent over a LinkedNamespaces link, sampled every half second while in a `with` block, and once more
+    at its end: (time, bytes) pairs."""
 
     def __init__(self, network):
-        super().__init__(daemon=True)
-        self.network, self.samples = network, [(time.time(), network.sent_bytes())]
-        self._stop_event = threading.Event()
+        super().__init__(0.5, "link-counter")
+        self.network = network
+        self.samples.append((time.time(), network.sent_bytes()))
 
-    def __enter__(self) -> "LinkCounter":
-        self.start()
-        return self
+    def sample(self) -> list[tuple[float, int]]:
+        return [(time.time(), self.network.sent_bytes())]
 
     def __exit__(self, *exc) -> None:
-        self._stop_event.set()
-        self.join()
-        self.samples.append((time.time(), self.network.sent_bytes()))
-
-    def run(self) -> None:
-        while not self._stop_event.wait(0.5):
-            self.samples.append((time.time(), self.network.sent_bytes()))
+        self.stop()
+        self.samples.extend(self.sample())
 
     def between(self, start: float, end: float) -> int:
         """Bytes sent from the last sample at or before `start` to the first at or after `end` (a little wider)."""

@@ -16,7 +16,6 @@ import re
 import shutil
 import socket
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from benchmarks.harness import ROOT, Process, run_baseline, start_coordinator, start_peer, wait_until_marked_left
 from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
+from hivetrain.sampling import PeriodicSampler
 
 # Local steps of 32 samples per peer between rounds: 2 peers x 16 x 32 = 1,024 samples per round, about a second of
 # compute per peer here against a round's fixed cost (matchmaking and the progress records), ~2 s on loopback.
@@ -45,18 +45,16 @@ def _show(name: str):
     return show
 
 
-class PeerSampler(threading.Thread):
+class PeerSampler(PeriodicSampler):
     """CPU % and resident memory of each peer (its process and the hivemind processes it started), every second."""
 
     def __init__(self, pids: list[int], interval: float = 1.0):
-        super().__init__(daemon=True)
+        super().__init__(interval, "peer-sampler")
         import psutil
 
-        self.psutil, self.pids, self.interval = psutil, pids, interval
-        self.samples: list = []
+        self.psutil, self.pids = psutil, pids
         self.peak_rss = [0] * len(pids)
         self._tracked: dict[int, object] = {}
-        self._stop_event = threading.Event()
         self._t0 = time.monotonic()
 
     def _tree(self, pid: int) -> list:
@@ -68,30 +66,29 @@ class PeerSampler(threading.Thread):
         # keep one Process object per pid: cpu_percent measures since that object's previous call
         return [self._tracked.setdefault(p.pid, p) for p in processes]
 
-    def run(self) -> None:
+    def before_first(self) -> bool:
+        self.psutil.cpu_percent(None)  # the first call only sets the reference point
+        return True
+
+    def sample(self) -> list:
         from hivetrain.records import UtilisationSample
 
-        self.psutil.cpu_percent(None)
-        while not self._stop_event.wait(self.interval):
-            system = self.psutil.cpu_percent(None)
-            for rank, pid in enumerate(self.pids):
-                cpu = rss = 0
-                for process in self._tree(pid):
-                    try:
-                        cpu += process.cpu_percent(None)
-                        rss += process.memory_info().rss
-                    except self.psutil.NoSuchProcess:
-                        continue
-                if rss:
-                    self.peak_rss[rank] = max(self.peak_rss[rank], rss)
-                    self.samples.append(UtilisationSample(
-                        time_s=round(time.monotonic() - self._t0, 2), rank=rank, cpu_percent=round(cpu, 1),
-                        system_cpu_percent=system, rss_bytes=rss,
-                    ))
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(5)
+        system, samples = self.psutil.cpu_percent(None), []
+        for rank, pid in enumerate(self.pids):
+            cpu = rss = 0
+            for process in self._tree(pid):
+                try:
+                    cpu += process.cpu_percent(None)
+                    rss += process.memory_info().rss
+                except self.psutil.NoSuchProcess:
+                    continue
+            if rss:
+                self.peak_rss[rank] = max(self.peak_rss[rank], rss)
+                samples.append(UtilisationSample(
+                    time_s=round(time.monotonic() - self._t0, 2), rank=rank, cpu_percent=round(cpu, 1),
+                    system_cpu_percent=system, rss_bytes=rss,
+                ))
+        return samples
 
 
 def _free_port(preferred: int) -> int:
