@@ -5,7 +5,8 @@ from pathlib import Path
 
 from benchmarks.harness import ROOT
 
-RECORDS = ROOT / "logbook" / "bench-records"  # not run records: logbook/records holds only those, which the logbook reads
+# not run records: logbook/records holds only those, which the logbook reads
+RECORDS = ROOT / "logbook" / "bench-records"
 
 
 def newest_record(suite: str) -> Path:

@@ -211,7 +211,6 @@ class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
             yield message
 
 
-
 def _warn_refused(caller: PeerID) -> None:
     _warn_once_a_minute((caller, "refused"), f"Refusing averaging requests from {caller}: no member record of this"
                                              f" private run vouches for it")
