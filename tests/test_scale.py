@@ -52,7 +52,8 @@ def test_the_committed_page_renders_again_from_its_record():
     assert [line for line in page.splitlines() if line.startswith("#")] == [
         "# Scale: what each peer costs, and joiner storms", "## Measured: swarms of training peers",
         "## Measured: the coordinator's look with lightweight publishers", "## Measured: a joiner storm", "## Fits",
-        "## Extrapolated to 100, 1,000 and 10,000 peers", "## Each limit, where it comes, and what lifts it"]
+        "## Extrapolated to 100, 1,000 and 10,000 peers", "## Each limit, where it comes, and what lifts it",
+        "## The coordinator as a relay for unreachable peers"]
 
 def test_a_state_holder_counts_the_downloads_it_answers():
     """The counter behind the storm's figures: a download from the coordinator's holder counts one there."""
