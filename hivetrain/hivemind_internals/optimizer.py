@@ -4,7 +4,6 @@ its state averager's schedule caught up from outside."""
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import hivemind
@@ -13,10 +12,8 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.hivemind_internals.averaging import (BoundedStateAverager, members_only_class,
-                                                    robust_averager_class, wait_unless_left_alone)
-from hivetrain.hivemind_internals.records import HookedProgressTracker, other_training_peers
-
-logger = logging.getLogger(__name__)
+                                                    robust_averager_class)
+from hivetrain.hivemind_internals.records import HookedProgressTracker
 
 
 # --- hivemind.Optimizer and its state averager --------------------------------------------------------------------
@@ -38,7 +35,6 @@ class PatchedOptimizer(hivemind.Optimizer):
       The gradient averager takes the state averager's group size cap and group bits too, for the same reason: a
       run averaging in groups would otherwise average its gradients in one group of everyone.
     - A peer alone schedules no averaging rounds (see below).
-    - In a swarm of two, a round the other peer left is given up at once (wait_unless_left_alone).
     - It pre-schedules its state averaging rounds, as it does its gradient rounds (see __init__).
     - `missed_round` tells whether the last step's gradient averaging round failed while one was begun.
     - Its state averager is a BoundedStateAverager: a downloaded state's epoch is bounded, its optimizer settings
@@ -105,14 +101,8 @@ class PatchedOptimizer(hivemind.Optimizer):
             super()._maybe_schedule_state_averaging()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
-        # in a swarm of two, a round the other peer left is given up at once (wait_unless_left_alone)
-        left_alone = (maybe_step_control is not None and self.tracker.global_progress.num_peers == 2
-                      and wait_unless_left_alone(maybe_step_control, lambda: other_training_peers(self.tracker) == 0,
-                                                 self.averaging_timeout))
-        if left_alone:
-            logger.info("The other peer left during this round: stepping alone")
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
-        if maybe_step_control is None or left_alone:  # no round with others was missed: none were left
+        if maybe_step_control is None:  # no round was begun (no other peers): nothing was missed
             self.missed_round = False
             return
         try:
