@@ -264,7 +264,7 @@ def limits_section(limits: dict[str, Limit]) -> str:
         f"{limit_rows}")
 
 
-def relay_section(path: Path) -> str:
+def relay_cost_section(path: Path) -> str:
     """The section "The coordinator as a relay": the relay suite's record at `path` (benchmarks.relay), what it
     measured and how many unreachable trainers one coordinator serves at the mission's model.
 
@@ -320,4 +320,4 @@ def scale_page(result: dict, env: dict, out: Path) -> str:
     return (header_section(env) + swarms_section(result) + publishers_section(result["publishers"])
             + storm_section(result["storm"], spread) + fits_section(fits)
             + extrapolation_section(result["models"], fits, spread, limits) + limits_section(limits)
-            + "\n" + relay_section(newest_record("relay")))
+            + "\n" + relay_cost_section(newest_record("relay")))
