@@ -29,6 +29,7 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import get_dht_time
 
 from hivetrain.config import RunConfig
 from hivetrain.diloco import group_time, next_round_time
@@ -232,8 +233,13 @@ class GradientRelay(Relay):
                    wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report)
 
     def _due(self, records: list[LocalTrainingProgress]) -> Optional[tuple[int]]:
-        epoch = max(record.epoch for record in records)
-        samples = sum(record.samples_accumulated for record in records if record.epoch == epoch)
+        """The newest epoch, once its samples reach the target batch as the peers' own trackers count them: each
+        record's samples carried forward at its rate since it was written (hivemind's ProgressTracker). A peer steps
+        at that estimate and then stops training until its round ends, so its records may never show the target
+        itself: a relay that waited for them would miss the round."""
+        epoch, now = max(record.epoch for record in records), get_dht_time()
+        samples = sum(record.samples_accumulated + max(0.0, now - record.time) * record.samples_per_second
+                      for record in records if record.epoch == epoch)
         if epoch == self._last_epoch or samples < self.target_batch_size:
             return None
         return (epoch,)
