@@ -28,7 +28,7 @@ import math
 import queue
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from hivemind import DHT
@@ -42,6 +42,7 @@ from hivetrain.hivemind_internals import HookedProgressTracker, other_training_p
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import INT64_MAX, vetted
+from hivetrain.speedups import FiniteSteps
 from hivetrain.swarm import RECORD_LIFETIME, read_records, withdraw_records
 from hivetrain.telemetry import bounded_sum
 
@@ -222,6 +223,8 @@ class DiLoCoRounds:
         self.swarm_seconds = self.wait_seconds = self.communication_seconds = 0.0
         self.last_overlapped_steps: Optional[int] = None  # inner steps taken while the last overlapped round ran
         self.rounds_averaged = self.rounds_alone = self.rounds_failed = self.rounds_missed = 0
+        self.finite_steps = FiniteSteps()  # the inner steps' verdicts, read without stalling the GPU
+        self.restarts = 0  # times a non-finite step sent this peer back to the outer parameters
 
     @property
     def round(self) -> int:
@@ -266,22 +269,19 @@ class DiLoCoRounds:
         finally:
             self.swarm_seconds += time.perf_counter() - started
 
-    def after_inner_step(self, samples: int, finite: bool = True) -> bool:
+    def after_inner_step(self, samples: int, finite: Union[bool, torch.Tensor] = True) -> bool:
         """Count an inner step's samples and run a round when one is due; True when the parameters changed to a
-        new outer state (a round, a correction of an overlapped one, or a reload). A non-finite step counts nothing
-        and restarts from the outer parameters: its pseudo-gradient would poison every peer.
+        new outer state (a round, a correction of an overlapped one, or a reload). A non-finite step (`finite`: a
+        bool, or a 0-d bool tensor read when the GPU gets there, FiniteSteps) restarts this peer's inner steps from the
+        outer parameters, its samples uncounted: its pseudo-gradient would poison every peer.
 
         A step lands an overlapped round or starts one, never both: a peer told to stop at a round (--stop-at-epoch)
         stops after the step that landed it, with no next round in flight."""
+        self.finite_steps.add(finite)
         landed = self.flight is not None and self.flight.finished.is_set()
         changed = self._take_corrections()
-        if not finite:
-            logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
-            self.finish_round()
-            self.outer.copy_to(self.parameters)
-            self._begin_inner_steps()
-            self.tracker.report_local_progress(self._progress_round(), 0)
-            return True
+        if not self.finite_steps.settled():
+            return self._restart_from_outer()
         self.samples += samples
         self.inner_steps_since_round += 1
         if self.flight is not None:
@@ -303,10 +303,21 @@ class DiLoCoRounds:
         if not self.round_due:
             self._maybe_schedule_round()
             return changed
+        if not self.finite_steps.settled(wait=True):  # the round reads the parameters: every step's verdict first
+            return self._restart_from_outer()
         if self.overlap:
             self.start_round()
             return changed
         self.run_round()
+        return True
+
+    def _restart_from_outer(self) -> bool:
+        logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
+        self.restarts += 1
+        self.finish_round()
+        self.outer.copy_to(self.parameters)
+        self._begin_inner_steps()
+        self.tracker.report_local_progress(self._progress_round(), 0)
         return True
 
     @property
@@ -328,6 +339,7 @@ class DiLoCoRounds:
     def _begin_inner_steps(self) -> None:
         """A round started, landed or was replaced by a state: count this peer's inner steps toward the next one."""
         self.samples = self.inner_steps_since_round = 0
+        self.finite_steps.clear()  # about parameters that are now the outer ones, or already read for a round
         if self.round_seconds:
             self.next_round_at = next_round_time(time.time(), self.round_seconds)
 

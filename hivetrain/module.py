@@ -65,7 +65,9 @@ class ImageClassifier(pl.LightningModule):
             model.compile()
         classes = config.model.num_classes
         # micro: the fraction of samples classified right, as hivetrain.evaluate counts it (not a mean over classes)
-        self.train_top1 = MulticlassAccuracy(classes, top_k=1, average="micro")
+        # validate_args off for the training batches, which are this process's own: torchmetrics' checks of the labels
+        # read them on the host, which would make the GPU wait for it at every step
+        self.train_top1 = MulticlassAccuracy(classes, top_k=1, average="micro", validate_args=False)
         self.val_top1 = MulticlassAccuracy(classes, top_k=1, average="micro")
         self.val_top5 = MulticlassAccuracy(classes, top_k=min(5, classes), average="micro")
 

@@ -8,11 +8,15 @@ every role turns on the same things and every run record and peer event says whi
 - pinned_memory: DataLoader batches in page-locked memory, so the copy to the GPU can overlap compute (Lightning's
   batch transfer passes non_blocking=True for every device but the CPU and MPS).
 - compile: torch.compile of the model (asked for with --compile; never chosen here).
+
+And what keeps it busy between two steps: FiniteSteps learns whether the steps came out finite without making the GPU
+wait for the host.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections import deque
+from typing import Optional, Union
 
 import torch
 
@@ -47,3 +51,46 @@ def apply_tf32(speedups: dict[str, bool]) -> None:
     leave torch's default ("highest": full fp32). cuDNN's convolutions already allow TF32 by torch's default."""
     if speedups["tf32"]:
         torch.set_float32_matmul_precision("high")
+
+
+class FiniteSteps:
+    """Whether a peer's inner steps came out finite, learnt without making the GPU wait for the host.
+
+    Reading a CUDA loss on the host (bool(), float(), .item()) blocks the training thread until the GPU has run every
+    kernel queued so far, and the GPU then idles until the thread has queued the next step's: once a step, on the
+    critical path. Here each step's verdict is copied to pinned host memory behind a CUDA event instead, and read once
+    the GPU got there, a step or so later, at no wait. Whoever reads the parameters for others (a round's
+    pseudo-gradient) first calls `settled(wait=True)`, so that a non-finite step never leaves the peer. On the CPU, and
+    for a verdict given as a bool, it is known at once."""
+
+    def __init__(self) -> None:
+        self._pending: deque[tuple[torch.Tensor, Optional[torch.cuda.Event]]] = deque()
+
+    def add(self, finite: Union[bool, torch.Tensor]) -> None:
+        """One step's verdict: a bool, or a 0-d bool tensor on the training device (torch.isfinite(loss).all())."""
+        if isinstance(finite, torch.Tensor) and finite.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(finite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((host, event))
+        else:
+            self._pending.append((torch.tensor(bool(finite)), None))
+
+    def settled(self, wait: bool = False) -> bool:
+        """False when one of the verdicts that arrived since the last call was a non-finite step, else True; with
+        `wait`, after waiting for every verdict still on its way (those left keep for a later call)."""
+        finite = True
+        while self._pending:
+            host, event = self._pending[0]
+            if event is not None:
+                if not wait and not event.query():
+                    break
+                event.synchronize()
+            self._pending.popleft()
+            finite = finite and bool(host)
+        return finite
+
+    def clear(self) -> None:
+        """Forget the verdicts on their way: the parameters they were about were just replaced."""
+        self._pending.clear()

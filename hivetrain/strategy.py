@@ -217,9 +217,10 @@ class HivemindStrategy(SingleDeviceStrategy):
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.rounds is not None and output is not None:  # None: training_step returned None, nothing was trained
-            finite = bool(torch.isfinite(output).all())
-            if self.rounds.after_inner_step(self.options.batch_size, finite=finite):
-                if not finite:
+            restarts = self.rounds.restarts
+            # the verdict stays on the device: read on the host now, it would stall the GPU at every step
+            if self.rounds.after_inner_step(self.options.batch_size, finite=torch.isfinite(output).all()):
+                if self.rounds.restarts != restarts:
                     optimizer.state.clear()  # the inner optimizer's statistics took the non-finite gradients too
                 self._follow_swarm_schedule(in_optimizer_step=True)
         self._follow_coordinator(optimizer)

@@ -110,6 +110,34 @@ def test_one_peer_with_one_inner_step_and_plain_outer_step_takes_the_local_step(
         rounds.shutdown()
 
 
+def test_a_non_finite_step_known_on_the_device_restarts_from_the_outer_parameters_before_any_round(dhts):
+    """The strategy hands each step's verdict as a tensor (a GPU peer reads it when the GPU gets there, not at the
+    step): a non-finite one sends the peer back to the outer parameters, its samples uncounted, and no round ever
+    reads the parameters it made."""
+    [dht] = dhts(1)
+    model = create_model(CONFIG.model, seed=CONFIG.seed)
+    optimizer, _ = make_optimizer(model, CONFIG.optim)
+    rounds = _rounds(dht, model, inner_steps=3, batch=8, outer_lr=1.0, outer_momentum=0.0)
+    try:
+        outer = _flat(rounds.outer.outer_parameters).clone()
+        _inner_step(model, optimizer, 0, 8)
+        assert not rounds.after_inner_step(8, finite=torch.tensor(True))
+        assert rounds.samples == 8
+        _inner_step(model, optimizer, 1, 8)
+        with torch.no_grad():
+            next(model.parameters()).fill_(float("nan"))  # what a non-finite step leaves behind
+        assert rounds.after_inner_step(8, finite=torch.tensor(False))
+        assert rounds.restarts == 1 and rounds.samples == 0 and rounds.round == 0
+        torch.testing.assert_close(_flat(model.parameters()), outer, rtol=0, atol=0)
+        for seed in range(3):  # three good steps: the round, with finite parameters
+            _inner_step(model, optimizer, 2 + seed, 8)
+            rounds.after_inner_step(8, finite=torch.tensor(True))
+        assert rounds.round == 1 and rounds.rounds_alone == 1
+        assert torch.isfinite(_flat(rounds.outer.outer_parameters)).all()
+    finally:
+        rounds.shutdown()
+
+
 def test_a_peer_in_client_mode_takes_its_rounds(dhts):
     """A peer nobody can dial (client mode: behind NAT) serves no state; alone, it takes its rounds and trains on. It
     used to exit after its first round: hivemind refuses a client a state-sharing priority."""

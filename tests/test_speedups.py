@@ -19,7 +19,7 @@ from hivetrain.config import get_preset
 from hivetrain.model import create_model
 from hivetrain.module import ImageClassifier, make_optimizer
 from hivetrain.records import RunRecord, read_record
-from hivetrain.speedups import apply_tf32, inner_loop_speedups
+from hivetrain.speedups import FiniteSteps, apply_tf32, inner_loop_speedups
 from hivetrain.swarm_optimizer import _fused_on_cuda_only, optimizer_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,3 +132,19 @@ def test_records_from_before_the_speedups_still_read():
     assert RunRecord.from_dict(dict(raw, speedups=dict(tf32=True))).speedups == dict(tf32=True)
     with pytest.raises(ValueError, match="speedups.tf32"):
         RunRecord.from_dict(dict(raw, speedups=dict(tf32="yes")))
+
+
+def test_finite_steps_tell_each_non_finite_verdict_once():
+    """On the CPU a verdict is known at once, as a bool or a tensor; each is told by the next settled() only, and
+    clear() forgets those not yet read."""
+    steps = FiniteSteps()
+    steps.add(True)
+    steps.add(torch.isfinite(torch.tensor(1.0)).all())
+    assert steps.settled() and steps.settled(wait=True)
+    steps.add(torch.isfinite(torch.tensor(float("nan"))).all())
+    steps.add(True)
+    assert not steps.settled()
+    assert steps.settled()  # told once
+    steps.add(False)
+    steps.clear()
+    assert steps.settled(wait=True)

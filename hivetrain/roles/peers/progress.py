@@ -32,9 +32,10 @@ class SwarmProgress(pl.Callback):
         self.epoch = 0
         self.samples = 0  # samples this peer contributed
         self._epoch_started = time.monotonic()
-        self._losses: list[float] = []  # since the last epoch line
+        # detached loss tensors, read on the host once per line and record (mean_loss), not at every step
+        self._losses: list[torch.Tensor] = []  # since the last epoch line
         self._published = (time.monotonic(), 0)  # when, and at how many samples
-        self._recent_losses: list[float] = []  # since the last record
+        self._recent_losses: list[torch.Tensor] = []  # since the last record
         self.train_seconds = 0.0  # wall time from the first step on
         self.swarm_seconds = 0.0  # of which in swarm rounds and state downloads (SwarmOptimizer.swarm_seconds)
         self._swarm_seconds_before = 0.0  # spent before the first step: the initial download, not training
@@ -108,9 +109,11 @@ class SwarmProgress(pl.Callback):
             self.events("first_step", epoch=trainer.strategy.local_epoch)
         self.samples += self.batch_size
         if isinstance(outputs, dict) and "loss" in outputs:  # rank zero's own loss on a peer with several devices
-            self._losses.append(float(outputs["loss"]))
-            with self._publishing:
-                self._recent_losses.append(self._losses[-1])
+            loss = outputs["loss"].detach()
+            self._losses.append(loss)
+            # no lock: the publishing thread takes the list whole, and a loss that lands in it just after is one
+            # value less in one record's mean, where waiting for that thread would stall the training
+            self._recent_losses.append(loss)
         epoch = trainer.strategy.local_epoch
         if getattr(trainer.strategy, "rollbacks_taken", 0) != self.rollbacks:
             self.rollbacks = trainer.strategy.rollbacks_taken
@@ -131,7 +134,7 @@ class SwarmProgress(pl.Callback):
 
     def _print_epoch_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int, seconds: float) -> None:
         throughput = trainer.strategy.epoch_samples * (epoch - self.epoch) / max(seconds, 1e-6)
-        loss = sum(self._losses) / len(self._losses) if self._losses else float("nan")
+        loss = mean_loss(self._losses)
         rounds, diloco = trainer.strategy.rounds, {}
         if rounds is not None:  # its last round and the state downloads it answered so far (benchmarks.scale)
             diloco = dict(group_size=rounds.outer.last_group_size, states_served=rounds.outer.states_served,
@@ -189,7 +192,7 @@ class SwarmProgress(pl.Callback):
             client_mode=self.client_mode,
             epoch=trainer.strategy.local_epoch,
             samples_per_second=(samples - samples_then) / max(now - since, 1e-6),
-            loss=finite_or_none(sum(losses) / len(losses)) if losses else None,
+            loss=finite_or_none(mean_loss(losses)) if losses else None,
             samples=samples,
             time=time.time(),
             train_seconds=float(self.train_seconds) if self._train_started is not None else None,
@@ -218,6 +221,12 @@ class SwarmProgress(pl.Callback):
     def _maybe_stop(self, trainer: pl.Trainer) -> None:
         if self.stop_at_epoch is not None and trainer.strategy.local_epoch >= self.stop_at_epoch:
             trainer.should_stop = True
+
+
+def mean_loss(losses: list[torch.Tensor]) -> float:
+    """The mean of detached step losses, read from the device once for them all (a float() of each step's loss would
+    make the GPU wait for the host at every step); nan for none."""
+    return float(torch.stack(losses).float().mean()) if losses else float("nan")
 
 
 def _say(trainer: pl.Trainer, line: str) -> None:
