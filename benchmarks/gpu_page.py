@@ -284,7 +284,7 @@ def _control_section(record: dict, artifacts: Path, link) -> list[str]:
 
 def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     swarm = record["swarm"]
-    lines = ["## A 2-peer swarm sharing the GPU", ""]
+    lines = ["## The swarm on the GPU", ""]
     if swarm.get("skipped"):
         return lines + [f"Not run: {swarm['skipped']}", ""]
     if "variants" not in swarm:  # a record from before the mission-shaped swarm: sync and diloco on digits
@@ -292,10 +292,11 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     rows = []
     for run in swarm["variants"]:
         if run.get("error"):
-            rows.append([run["variant"], *["–"] * 10, _failure(run["error"])])
+            rows.append([run["variant"], str(run.get("peers", 2)), *["–"] * 10, _failure(run["error"])])
             continue
         ratio, to_control = run["ratio_to_single"], run.get("ratio_to_control")  # older records: no control
-        rows.append([run["variant"], f"{run['samples_per_s']:,.0f}", "–" if ratio is None else f"{ratio:.3f}",
+        rows.append([run["variant"], str(run.get("peers", 2)), f"{run['samples_per_s']:,.0f}",
+                     "–" if ratio is None else f"{ratio:.3f}",
                      "–" if to_control is None else f"{to_control:.3f}",
                      _met(run["ratio_target_met"]), _met(run["ratio_stretch_met"]),
                      "–" if run["gpu_util_percent"] is None else fmt_percent(run["gpu_util_percent"]),
@@ -309,23 +310,25 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
     control_rate = (f"{control['samples_per_s']:,.0f} samples/s, above" if control.get("samples_per_s")
                     else "not measured: no ratio")
     lines += [
-        *_table(["variant", "samples/s (both peers)", "of one process's", "of two plain processes'",
+        *_table(["variant", "peers", "samples/s (all peers)", "of one process's", "of two plain processes'",
                  f"≥ {swarm['ratio_target']:g}",
                  f"≥ {swarm['ratio_stretch']:g}", "GPU utilisation", "time in swarm rounds (per peer)",
                  "waiting for overlapped rounds (per peer)", "MFU", "window, rounds", "note"], rows),
         "",
         f"A coordinator of the `{swarm['preset']}` preset ({swarm['preset_note']}) in diloco mode,"
-        f" {swarm['inner_steps']} inner steps a round, and two peers at batch {swarm['batch_size']} in"
-        f" `{swarm['precision']}` on loopback, both on the same GPU. Per variant, the coordinator ran "
+        f" {swarm['inner_steps']} inner steps a round, and peers at batch {swarm['batch_size']} in"
+        f" `{swarm['precision']}` on loopback: two sharing the same GPU, or one alone on it (a volunteer's own card:"
+        " its rounds have nobody to average with, so what it loses against one plain process is what the peer"
+        " itself costs). Per variant, the coordinator ran "
         + "; ".join(f"{variant}: `{command}`" for variant, command in swarm["coordinator_commands"].items())
         + "; each peer `" + swarm["peer_command"] + "`.",
         "",
-        "Samples/s adds both peers' rates, read from their epoch events (`--events`, one per round) while both"
+        "Samples/s adds the peers' rates, read from their epoch events (`--events`, one per round) while all"
         f" trained; *of one process's* divides it by the single process's at the same batch"
         f" ({single_rate}), against the target"
         f" {swarm['ratio_target']:g} and the stretch {swarm['ratio_stretch']:g}; *of two plain processes'* divides it"
-        f" by the control's, two plain processes sharing the GPU ({control_rate}). GPU utilisation is NVML's mean over"
-        " the samples taken while both peers trained (the window). Each peer's shares of its training time come from"
+        f" by the control's, two plain processes sharing the GPU ({control_rate}; two peers only). GPU utilisation is"
+        " NVML's mean over the samples taken while all peers trained (the window). Each peer's shares of its training time come from"
         " its leaving event: stood still for swarm rounds and state downloads (`swarm_seconds`), and waiting for an"
         " overlapped round to finish (`wait_seconds`). MFU: samples/s × the ceiling's training FLOPs per image over"
         " the card's measured bf16 matrix rate.",

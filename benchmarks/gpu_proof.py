@@ -108,7 +108,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     runs.add_argument("--no-swarm", action="store_true", help="skip the 2-peer swarm")
     runs.add_argument("--swarm-variants", nargs="+", choices=list(SWARM_VARIANTS), default=list(SWARM_VARIANTS),
                       metavar="NAME", help="the swarm variants to run, in this order, of: " + ", ".join(
-                          f"{name} (coordinator {' '.join(options)})" for name, options in SWARM_VARIANTS.items()))
+                          f"{name} ({variant.peers} peer(s), coordinator {' '.join(variant.coordinator)})"
+                          for name, variant in SWARM_VARIANTS.items()))
     runs.add_argument("--no-control", action="store_true",
                       help="skip the control: two plain processes (benchmarks.gpu_speed) sharing the GPU at the"
                            " swarm's batch, timed together for --speed-seconds, the swarm's table held against them")

@@ -4,7 +4,8 @@
    also measures the card's bf16 matrix rate and counts the training FLOPs per image (`measure_ceiling`);
 2. a coordinator of the `synthetic-vit-b32` preset (ViT-B/32 at 224 px, random init, CIFAR-10-shaped noise) in diloco
    mode and two `peers/join.py --device cuda --batch-size B --precision bf16-mixed` sharing the GPU, in each variant of
-   SWARM_VARIANTS: rounds overlapped with the next inner steps, blocking, or overlapped and paced in seconds
+   SWARM_VARIANTS: rounds overlapped with the next inner steps, blocking, or overlapped and paced in seconds; or one
+   peer alone on the GPU, a volunteer's own card, whose rounds have nobody to average with
    (`measure_swarm_variants`);
 3. per variant (`swarm_figures`): the peers' summed samples/s against the single process's samples/s at the same batch
    (benchmarks.gpu_speed, measured by gpu_proof) and against two plain processes sharing the GPU (the control of
@@ -29,21 +30,31 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SWARM_PRESET = "synthetic-vit-b32"
 SWARM_PRESET_NOTE = ("ViT-B/32 (88M parameters) at 224 px, random init, on seeded noise shaped like CIFAR-10: the"
                      " mission's model and training step with no dataset to bring along")
 SWARM_PRECISION = "bf16-mixed"  # the precision the mission's GPU peers train in
+
+
+class SwarmVariant(NamedTuple):
+    coordinator: list[str]  # the coordinator's options (coordinator_args)
+    peers: int = 2  # peers on the GPU
+
+
 # The mission's diloco rounds either run in the background while the next inner steps train, or stop training for
 # every round: the proof measures both, so the page shows what overlapping buys.
 SWARM_VARIANTS = {
-    "diloco-overlapped": ["--mode", "diloco", "--overlap-rounds"],
-    "diloco-blocking": ["--mode", "diloco", "--no-overlap-rounds"],
+    "diloco-overlapped": SwarmVariant(["--mode", "diloco", "--overlap-rounds"]),
+    "diloco-blocking": SwarmVariant(["--mode", "diloco", "--no-overlap-rounds"]),
     # rounds paced in seconds (each peer's inner steps from its own speed, groups looked for ahead), overlapped: about
     # as many steps a round as the 60 above on an H100 shared by two peers (--inner-steps then paces the LR only)
-    "diloco-paced": ["--mode", "diloco", "--overlap-rounds", "--round-seconds", "10"],
+    "diloco-paced": SwarmVariant(["--mode", "diloco", "--overlap-rounds", "--round-seconds", "10"]),
+    # A volunteer's own card: one peer, no time-slicing with another process, its rounds its own outer steps. Held
+    # against the single process, it is what the peer itself costs (Lightning's loop, the strategy, the rounds' copies).
+    "diloco-one-peer": SwarmVariant(["--mode", "diloco", "--overlap-rounds"], peers=1),
 }
 RATIO_TARGET = 0.90  # the swarm's samples/s over one process's at the same batch (issue 26, item 6)
 RATIO_STRETCH = 0.96
@@ -56,7 +67,7 @@ def coordinator_args(variant: str, inner_steps: int) -> list[str]:
     """What run_swarm passes the coordinator after --preset, --host, --port and --validate-every 0."""
     if variant not in SWARM_VARIANTS:
         raise ValueError(f"swarm variant {variant!r} is not one of {', '.join(SWARM_VARIANTS)}")
-    return [*SWARM_VARIANTS[variant], "--inner-steps", str(inner_steps)]
+    return [*SWARM_VARIANTS[variant].coordinator, "--inner-steps", str(inner_steps)]
 
 
 def prepend_pythonpath(path: Path) -> None:
@@ -115,8 +126,9 @@ def new_swarm_record(variants: list[str], minutes: float, batch: int, inner_step
         "python", "coordinator/start.py", "--preset", SWARM_PRESET, "--host", "127.0.0.1", "--port", "0",
         "--validate-every", "0", *coordinator_args(variant, inner_steps)]) for variant in variants}
     peer_command = shlex.join(["python", "peers/join.py", "--initial-peers", "COORDINATOR_ADDRESS", "--min-peers",
-                               "2", "--seed", "PEER_INDEX", "--progress-bar", "off", *peer_args(minutes, batch)])
-    return dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, peers=2, batch_size=batch,
+                               "PEERS", "--seed", "PEER_INDEX", "--progress-bar", "off", *peer_args(minutes, batch)])
+    return dict(preset=SWARM_PRESET, preset_note=SWARM_PRESET_NOTE, batch_size=batch,
+                variant_peers={variant: SWARM_VARIANTS[variant].peers for variant in variants},
                 precision=SWARM_PRECISION, inner_steps=inner_steps, ratio_target=RATIO_TARGET,
                 ratio_stretch=RATIO_STRETCH, coordinator_commands=coordinator_commands, peer_command=peer_command,
                 variants=[], skipped=skipped or "not reached: the proof stopped before the swarm")
@@ -209,8 +221,8 @@ def time_shares(left_events: list[dict]) -> dict:
 def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inner_steps: int, artifacts: Path,
                            clock, single: Optional[dict] = None, ceiling: Optional[dict] = None,
                            control: Optional[dict] = None) -> list[dict]:
-    """A 2-peer swarm sharing the GPU in each of `variants` (keys of SWARM_VARIANTS): a coordinator of SWARM_PRESET
-    and two `peers/join.py --device cuda --max-time MINUTES --batch-size BATCH --precision bf16-mixed` on loopback,
+    """A swarm on the GPU in each of `variants` (keys of SWARM_VARIANTS): a coordinator of SWARM_PRESET and the
+    variant's peers (two sharing the GPU, or one alone), each `peers/join.py --device cuda --max-time MINUTES --batch-size BATCH --precision bf16-mixed` on loopback,
     as benchmarks.harness's run_swarm starts them; samples/s of both peers together from their epoch events while both
     trained (benchmarks.harness.swarm_window), and the figures of `swarm_figures` (against `single`, `ceiling` and
     `control`) and `time_shares`. The roles' logs are kept in `artifacts`; `clock` is gpu_proof's Clock."""
@@ -226,8 +238,10 @@ def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inne
             continue
         label = f"swarm-{variant}"
         work = Path(tempfile.mkdtemp(prefix=f"hivetrain-gpu-{label}-"))
-        clock.say(f"swarm, {variant}: a coordinator and 2 peers at batch {batch} on the GPU, training {minutes:g} min")
-        result: dict = dict(variant=variant, coordinator_options=options[variant])
+        peers_count = SWARM_VARIANTS[variant].peers
+        clock.say(f"swarm, {variant}: a coordinator and {peers_count} peer(s) at batch {batch} on the GPU, training"
+                  f" {minutes:g} min")
+        result: dict = dict(variant=variant, coordinator_options=options[variant], peers=peers_count)
         # event times are time.time(); the NVML series counts seconds since the proof's zero (time.monotonic())
         wall_zero = time.time() - (time.monotonic() - clock.zero)
         # The raw views are taken once, about half-way through the peers' training (they start after ~30-40 s).
@@ -235,7 +249,7 @@ def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inne
         with RunMonitor(artifacts, label, clock.zero) as monitor:
             dump.start()
             try:
-                coordinator, peers = run_swarm(work, label, 2, options[variant], peer_args(minutes, batch),
+                coordinator, peers = run_swarm(work, label, peers_count, options[variant], peer_args(minutes, batch),
                                                timeout=minutes * 60 + 240, preset=SWARM_PRESET)
                 result.update(swarm_window(coordinator, peers))
                 started = max(peer.event("training_started")["time"] for peer in peers) - wall_zero
@@ -258,8 +272,9 @@ def measure_swarm_variants(variants: list[str], minutes: float, batch: int, inne
         else:
             util, over = mean_gpu_util(monitor.recording["nvml_series"], result["window_start_s"],
                                        result["window_end_s"])
-            result.update(gpu_util_percent=util, gpu_util_over=over,
-                          **swarm_figures(result["samples_per_s"], single, ceiling, control))
+            # the control is two processes sharing the GPU: no measure for a peer that has the GPU to itself
+            result.update(gpu_util_percent=util, gpu_util_over=over, **swarm_figures(
+                result["samples_per_s"], single, ceiling, control if peers_count == 2 else None))
             ratio, to_control = result["ratio_to_single"], result["ratio_to_control"]
             clock.say(f"swarm, {variant}: {result['samples_per_s']:,.0f} samples/s over {result['window_s']:.0f} s,"
                       f" {result['epochs']} rounds" + (f", {ratio:.3f} of one process's" if ratio else "")

@@ -72,7 +72,8 @@ def test_help_explains_what_is_measured():
                   "logbook/gpu.md", "prepare-gpu-wheelhouse.sh", "pure-compute ceiling", "overlapped and blocking",
                   "--no-search", "--swarm-batch", "--swarm-inner-steps", "--swarm-variants", "--no-control",
                   "two plain processes", "--no-compile-run", "torch.compile", "target 1.2 times",
-                  "diloco-overlapped (coordinator --mode diloco --overlap-rounds)"):
+                  "diloco-overlapped (2 peer(s), coordinator --mode diloco --overlap-rounds)",
+                      "diloco-one-peer (1 peer(s)"):
         assert words in text, words
 
 
@@ -167,7 +168,7 @@ def test_page_rendered_from_the_example_record(tmp_path):
     assert "| both |  | **7,410** | overlap 8.28 s (100% of the longer) |" in text
     assert "did not overlap enough" not in text and "over the windows' overlap: 100%" in text
     assert "| two plain processes (control) | 330–366 s |" in text and "| speed `bf16-mixed` compiled |" in text
-    assert text.index("## One process at") < text.index("## Two plain processes") < text.index("## A 2-peer swarm")
+    assert text.index("## One process at") < text.index("## Two plain processes") < text.index("## The swarm on the GPU")
 
 
 def test_page_says_why_the_swarm_did_not_run(tmp_path):
@@ -195,7 +196,7 @@ def test_swarm_without_hivemind_or_wheels_says_what_to_do(tmp_path, monkeypatch)
 
 
 def test_unknown_swarm_variants_are_refused_before_anything_starts(tmp_path):
-    with pytest.raises(ValueError, match="'sync' is not one of diloco-overlapped, diloco-blocking, diloco-paced"):
+    with pytest.raises(ValueError, match="'sync' is not one of diloco-overlapped, diloco-blocking, diloco-paced, diloco-one-peer"):
         gpu_swarm.measure_swarm_variants(["diloco-blocking", "sync"], 1.0, 1024, 100, tmp_path, gpu_proof.Clock())
     assert list(tmp_path.iterdir()) == []
 
@@ -228,7 +229,7 @@ def test_a_spent_budget_skips_the_steps_left_and_the_page_of_a_cut_off_proof_say
     record["control"], record["compiled"] = dict(error=skipped), None
     text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
     assert "**Cut off.**" in text
-    assert f"| diloco-blocking | {' | '.join(['–'] * 10)} | {skipped} |" in text
+    assert f"| diloco-blocking | 2 | {' | '.join(['–'] * 10)} | {skipped} |" in text
     assert f"– | {skipped} |" in text and f"failed: {skipped}" not in text
     assert f"Not measured: {skipped}." in text
     assert "--compile`, default mode, no validation pass): not reached: the proof stopped before it." in text
@@ -300,10 +301,10 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
 
     def fake_run_swarm(work, name, peers, coordinator_options, peer_options, timeout, preset):
         started_swarms.append((peers, coordinator_options, peer_options, preset))
-        for role in ("coordinator", "peer-0", "peer-1"):
+        for role in ("coordinator", *(f"peer-{index}" for index in range(peers))):
             (work / f"{name}-{role}.log").write_text("a role's log\n")
         now = time.time()
-        return FakeRole([]), [_fake_peer(now, 0, wait_seconds=2.0), _fake_peer(now, 2, wait_seconds=5.0)]
+        return FakeRole([]), [_fake_peer(now, 0, wait_seconds=2.0), _fake_peer(now, 2, wait_seconds=5.0)][:peers]
 
     class FakeNvmlSeries:  # GPU utilisation 95% while the peers trained (the last 98 s), idle before and after
         def __init__(self, zero):
@@ -341,6 +342,13 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     assert run["logs"] == [f"swarm-diloco-overlapped-{r}.log" for r in ("coordinator", "peer-0", "peer-1")]
     assert all((artifacts / name).exists() for name in run["logs"])
 
+    # One peer alone on the GPU: held against the single process, not against two processes sharing the GPU.
+    [alone] = gpu_swarm.measure_swarm_variants(["diloco-one-peer"], 1.25, 1024, 100, artifacts, clock, single=single,
+                                               ceiling=ceiling, control=control)
+    assert started_swarms[-1][0] == 1 and alone["peers"] == 1 and run["peers"] == 2
+    assert alone["samples_per_s"] == pytest.approx(rate / 2) and alone["ratio_to_single"] == pytest.approx(rate / 14400)
+    assert alone["ratio_to_control"] is None and alone["swarm_time_share"] == [0.08]
+
     # A variant whose single-process reference or control failed still has its samples/s, and no ratio.
     failed = gpu_swarm.swarm_figures(rate, dict(error="failed: exit code 1"), ceiling, dict(error="skipped: ..."))
     assert failed["ratio_to_single"] is None and failed["ratio_to_control"] is None
@@ -360,11 +368,11 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     assert "## One process at the swarm's batch (1024, `bf16-mixed`)" in text
     assert "**7,200 training samples/s**" in text and "(7,200 samples/s, above)" in text
     assert f"**{ceiling['samples_per_s']:,.0f} samples/s**, MFU **{100 * ceiling['mfu']:.1f}%**" in text
-    assert (f"| diloco-overlapped | {rate:,.0f} | {rate / 7200:.3f} | {rate / 6400:.3f} | met | not met | 95% |"
+    assert (f"| diloco-overlapped | 2 | {rate:,.0f} | {rate / 7200:.3f} | {rate / 6400:.3f} | met | not met | 95% |"
             f" 8.0%, 8.0% | 2.0%, 5.0% | {100 * run['mfu']:.1f}% |") in text
     assert "| of one process's | of two plain processes' |" in text
-    assert "by the control's, two plain processes sharing the GPU (6,400 samples/s, above)" in text
-    assert "| diloco-blocking | – |" in text and "failed: a peer of swarm-diloco-blocking failed" in text
+    assert "by the control's, two plain processes sharing the GPU (6,400 samples/s, above; two peers only)" in text
+    assert "| diloco-blocking | 2 | – |" in text and "failed: a peer of swarm-diloco-blocking failed" in text
     assert "--mode diloco --no-overlap-rounds --inner-steps 100" in text
     assert "--batch-size 1024 --precision bf16-mixed" in text
     assert "| ceiling `bf16-mixed` |" in text and "| swarm diloco-overlapped |" in text
@@ -378,7 +386,8 @@ COMPILED_RUN = ("speed", "bf16-mixed", 1024, "compiled-bf16-mixed",
     ([], [("speed", "bf16-mixed", 1024, None, ()), ("ceiling", 1024, 6.0), ("control", 1024, 6.0, 7000.0),
           ("swarm", ("diloco-overlapped",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0),
           ("swarm", ("diloco-blocking",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0),
-          ("swarm", ("diloco-paced",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0), COMPILED_RUN]),
+          ("swarm", ("diloco-paced",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0),
+          ("swarm", ("diloco-one-peer",), 1.25, 1024, 100, 7000.0, 0.26, 6300.0), COMPILED_RUN]),
     (["--swarm-variants", "diloco-blocking", "--no-control", "--no-compile-run"],
      [("speed", "bf16-mixed", 1024, None, ()), ("ceiling", 1024, 6.0),
       ("swarm", ("diloco-blocking",), 1.25, 1024, 100, 7000.0, 0.26, None)]),
@@ -432,7 +441,7 @@ def test_a_short_proof_reuses_its_speed_run_as_the_swarms_reference(tmp_path, mo
     assert [run["variant"] for run in record["swarm"]["variants"]] == variants
     assert list(record["swarm"]["coordinator_commands"]) == variants == record["settings"]["swarm_variants"]
     text = (tmp_path / "out" / "gpu.md").read_text()
-    assert "Not searched (`--no-search`)" in text and "| diloco-blocking | – |" in text
+    assert "Not searched (`--no-search`)" in text and "| diloco-blocking | 2 | – |" in text
     if flags:
         assert record["control"] == dict(error="skipped: --no-control was given")
         assert record["compiled"] == dict(error="skipped: --no-compile-run was given")
