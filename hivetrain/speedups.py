@@ -72,7 +72,7 @@ class FiniteSteps:
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
             host.copy_(finite, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(finite.device))  # the stream the copy went on
             self._pending.append((host, event))
         else:
             self._pending.append((torch.tensor(bool(finite)), None))
