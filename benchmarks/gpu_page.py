@@ -30,7 +30,11 @@ def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
     artifacts folder is); returns the page's path. A record marked `example` says so at the top of the page."""
     out_dir.mkdir(parents=True, exist_ok=True)
     artifacts = records_dir / record["artifacts"]
-    link = lambda path: os.path.relpath(path, out_dir)  # noqa: E731 - the page's links are relative to the page
+    def link(path: Path, text: Optional[str] = None) -> str:
+        """A link relative to the page; with `text`, the markdown link, or the text marked "not kept" where the file is
+        missing (raw files that did not come back from the GPU machine: the record keeps what they showed)."""
+        relative = os.path.relpath(path, out_dir)
+        return relative if text is None else f"[{text}]({relative})" if path.exists() else f"{text} (not kept)"
     env, data = record["environment"], record["data"]
     gpus = env["gpus"]
     gpu_text = ", ".join(f"{g['name']} ({fmt_bytes(g['memory_total_bytes'])})" for g in gpus) or "none seen by NVML"
@@ -202,7 +206,7 @@ def _reference_section(record: dict, artifacts: Path, link) -> list[str]:
             f" card's bf16 matrix rate measured in the same run, {ceiling['bf16_matmul_flops'] / 1e12:,.0f} TFLOP/s"
             f" ({ceiling['matmul_size']}³ product); {ceiling['train_flops_per_image'] / 1e9:,.1f} GFLOP per training"
             f" image (3 × the forward's, counted by torch)."
-            f" Log: [{ceiling['log']}]({link(artifacts / ceiling['log'])}).")
+            f" Log: {link(artifacts / ceiling['log'], ceiling['log'])}.")
     if "compiled" in record:
         lines.append(_compiled_line(record["compiled"], artifacts, link))
     return lines + [""]
@@ -213,7 +217,7 @@ def _compiled_line(compiled: Optional[dict], artifacts: Path, link) -> str:
     what = "With torch.compile (`benchmarks.gpu_speed --compile`, default mode, no validation pass)"
     if compiled is None:
         return f"- {what}: not reached: the proof stopped before it."
-    log = f" Log: [{compiled['log']}]({link(artifacts / compiled['log'])})." if compiled.get("log") else ""
+    log = f" Log: {link(artifacts / compiled['log'], compiled['log'])}." if compiled.get("log") else ""
     if compiled.get("error"):
         return f"- {what}: {_failure(compiled['error'])}.{log}"
     ratio = compiled["ratio_to_eager"]
@@ -363,7 +367,7 @@ def _modes_section(swarm: dict, artifacts: Path, link) -> list[str]:
 def _logs_lines(runs: list[dict], artifacts: Path, link) -> list[str]:
     """A line linking the roles' logs of every swarm run, when any were kept."""
     logs = [name for run in runs for name in run.get("logs", [])]
-    return ["Logs: " + ", ".join(f"[{name}]({link(artifacts / name)})" for name in logs) + ".", ""] if logs else []
+    return ["Logs: " + ", ".join(f"{link(artifacts / name, name)}" for name in logs) + ".", ""] if logs else []
 
 
 def _runs(record: dict) -> list[tuple[str, dict]]:
@@ -399,7 +403,7 @@ def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> li
         rows.append([label, f"{recording['started_s']:.0f}–{recording['started_s'] + recording['seconds']:.0f} s",
                      fmt_percent(sum(util) / len(util)) if util else "–", fmt_percent(max(util)) if util else "–",
                      fmt_bytes(max(memory)) if memory else "–",
-                     ", ".join(f"[{name.split('.', 1)[1]}]({link(artifacts / name)})" for name in files) or "–"])
+                     ", ".join(f"{link(artifacts / name, name.split('.', 1)[1])}" for name in files) or "–"])
     errors = sorted({r["nvml_error"] for _, r in _runs(record) if r.get("nvml_error")})
     lines = [
         "## What the GPUs did", "",
@@ -415,7 +419,7 @@ def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> li
     if errors:
         lines += [f"NVML problems: {'; '.join(errors)}.", ""]
     if record.get("start_dumps"):
-        lines += ["Before the first run: " + ", ".join(f"[{name}]({link(artifacts / name)})"
+        lines += ["Before the first run: " + ", ".join(f"{link(artifacts / name, name)}"
                                                        for name in record["start_dumps"]) + ".", ""]
     if plot_utilisation(_runs(record), out_dir / UTILISATION_PLOT):
         lines += [f"![GPU utilisation and memory in use over the whole proof]({UTILISATION_PLOT})", ""]

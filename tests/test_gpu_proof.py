@@ -151,7 +151,8 @@ def test_page_rendered_from_the_example_record(tmp_path):
     assert "failed: the batch 4096 trial failed" in text and "not measured: the batch search gave no answer" in text
     assert "DDP: not run, this machine has 1 CUDA GPU" in text
     assert "| sync | 212 | 52.3 s | 14 | 61%, 63% | 0 |" in text
-    assert "swarm-sync.nvidia-smi-q.txt" in text and "speed-32-single.nvidia-smi.csv" in text
+    # the example's raw files are not beside it: named, marked as not kept, never linked to a file that is not there
+    assert "nvidia-smi-q.txt (not kept)" in text and "swarm-sync-peer-0.log (not kept)" in text
     for plot in ("gpu-speed.png", "gpu-utilisation.png"):
         assert f"]({plot})" in text
         assert (tmp_path / "logbook" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
