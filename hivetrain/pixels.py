@@ -9,6 +9,8 @@ normalises whole batches.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -39,8 +41,16 @@ def to_model_input(images: torch.Tensor, dataset: str, img_size: int) -> torch.T
     x = images.float().div_(255) if images.dtype == torch.uint8 else images.float()
     if x.shape[-2:] != (img_size, img_size):
         x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)
-    mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in DATASET_STATS[dataset])
+    mean, std = _statistics(dataset, x.device)
     if x.shape[1] == 1 or x is images:  # grayscale (broadcast to RGB), or the caller's own tensor: a new one
         return (x - mean).div_(std)
     # In place otherwise: at the largest batch, one more copy of the input is gigabytes a batch search never held.
     return x.sub_(mean).div_(std)
+
+
+@lru_cache(maxsize=None)
+def _statistics(dataset: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dataset`'s (mean, std) as (1, 3, 1, 1) tensors on `device`, made once: a tensor built from Python numbers on a
+    GPU is a blocking copy, which would make every batch wait until the GPU had finished the steps queued before it."""
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in DATASET_STATS[dataset])
+    return mean, std
