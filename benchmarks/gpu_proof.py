@@ -20,8 +20,9 @@ no step starts after --budget-minutes (9); the short form above takes about 7 mi
    the swarm's batch and precision on the same GPU at once, their timed windows started together, with no swarm:
    what two processes time-slicing one GPU cost, their windows' wall-clock times showing that they overlapped;
 5. a 2-peer swarm of the synthetic-vit-b32 preset sharing the GPU, each peer at --swarm-batch, in the variants of
-   --swarm-variants (diloco with rounds overlapped, blocking, and paced in seconds; benchmarks/gpu_swarm.py): its
-   samples/s against the reference's and the control's, GPU utilisation, each peer's time in rounds and waits, MFU;
+   --swarm-variants (diloco with rounds overlapped, blocking, and paced in seconds, or one peer alone on the GPU;
+   benchmarks/gpu_swarm.py): its samples/s against the reference's and the control's, GPU utilisation, each peer's
+   time in rounds and waits, MFU;
 6. the single process compiled (benchmarks/gpu_speed.py --compile; --no-compile-run skips it) at the swarm's batch and
    precision, compilation in its untimed warm-up: its samples/s against the eager reference's (target 1.2 times). It
    runs last, so that a compilation that takes long cannot take the swarm's time; where torch.compile cannot run,
@@ -72,7 +73,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     " (the project's batch finder), samples/s and peak GPU memory at it on one GPU and with DDP on"
                     " all GPUs (when 2 or more), the single process and the pure-compute ceiling at the swarm's"
                     " batch, two plain processes sharing the GPU (the control), a 2-peer swarm sharing the GPU"
-                    " (diloco, rounds overlapped and blocking) held against them, and the single process with"
+                    " (diloco, rounds overlapped and blocking) and one peer alone on it held against them, and the"
+                    " single process with"
                     " torch.compile against the eager one; record nvidia-smi and NVML"
                     " while each run lasts; write logbook/gpu.md and a JSON record under logbook/gpu-records/."
                     " Without a CUDA GPU it prints one line and exits 0.",
