@@ -4,16 +4,20 @@ and that baselines/run.py --compile trains on CPU and records what was on."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hivetrain.config import get_preset
 from hivetrain.model import create_model
@@ -148,3 +152,52 @@ def test_finite_steps_tell_each_non_finite_verdict_once():
     steps.add(False)
     steps.clear()
     assert steps.settled(wait=True)
+
+
+class HostReads(TorchDispatchMode):
+    """Every read of a tensor's value on the host (aten._local_scalar_dense: .item(), bool(), float()), by the first
+    frame of the caller's own code: on a GPU each one waits until the GPU has run everything queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frames = [f.filename for f in traceback.extract_stack() if "/torch/optim/" in f.filename or (
+                "/torch/" not in f.filename and not f.filename.endswith("test_speedups.py"))]
+            self.sites.append(frames[-1] if frames else "torch")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_training_step_reads_nothing_back_to_the_host():
+    """Lightning's loop with the module, its logging and metrics included, leaves the GPU to run ahead: no value is
+    read back at a step (a progress-bar metric, torchmetrics' label checks and a float() of the loss each did). Only
+    torch.optim's own code may read, as its CPU AdamW does (its step counts live on the CPU; fused AdamW on a GPU
+    reads nothing)."""
+    from hivetrain.data import make_datamodule
+
+    # As a GPU peer loads (device_transforms), with no augmentation: torchvision's crop reads CPU tensors of its own,
+    # in DataLoader workers on a GPU
+    config = DEMO.replace(data=dataclasses.replace(DEMO.data, augment=False))
+    model = create_model(config.model, seed=0)
+    module = ImageClassifier(config, model)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, limit_val_batches=0, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    reads = HostReads()
+
+    class Watch(pl.Callback):  # from the third step on: the loop's first steps set things up once
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                reads.__enter__()
+
+        def on_train_end(self, trainer, pl_module):
+            reads.__exit__(None, None, None)
+
+    trainer.callbacks.append(Watch())
+    torch.set_num_threads(1)
+    trainer.fit(module, datamodule=make_datamodule(config, seed=0, device_transforms=True))
+    assert trainer.global_step == 6
+    outside_the_optimizer = [site for site in reads.sites if "/torch/optim/" not in site]
+    assert not outside_the_optimizer, outside_the_optimizer
