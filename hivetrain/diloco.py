@@ -38,6 +38,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import SwarmConfig
+from hivetrain.digests import tensors_digest
 from hivetrain.hivemind_internals import HookedProgressTracker, other_training_peers
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
@@ -131,6 +132,7 @@ class RoundInFlight:
         self.result: Optional[bool] = None  # as OuterState.outer_step's
         self.seconds = 0.0  # the round's wall time in the background, set when it has finished
         self.inner_steps = 0  # the peer's inner steps while the round was in flight (DiLoCoRounds counts them)
+        self.digest: Optional[str] = None  # of the outer parameters it ended with, hashed here, off the training thread
         self.finished = threading.Event()
         self._corrections: queue.SimpleQueue = queue.SimpleQueue()
         # On the parameters' device, a copy taken in a moment: the thread moves it to the host while training goes on
@@ -152,9 +154,10 @@ class RoundInFlight:
                 self._corrections.put([o - l for o, l in zip(own, local)])
 
             self.result = outer.outer_step(local, self.weight, timeout, after_own_step=eager, scheduled=scheduled)
-            if self.result:  # averaged with others (alone or failed, the outer parameters are this peer's own step)
-                with outer.get_tensors(), torch.no_grad():
+            with outer.get_tensors(), torch.no_grad():
+                if self.result:  # averaged with others (alone or failed, the outer parameters are this peer's own step)
                     self._corrections.put([p - o for p, o in zip(outer.outer_parameters, own)])
+                self.digest = tensors_digest(outer.outer_parameters)
         except Exception as e:  # the averager shut down under the round (the peer is leaving)
             logger.debug(f"Outer round {self.round} broke off: {type(e).__name__}: {e}")
             self.result = None
@@ -223,6 +226,7 @@ class DiLoCoRounds:
         self.swarm_seconds = self.wait_seconds = self.communication_seconds = 0.0
         self.last_overlapped_steps: Optional[int] = None  # inner steps taken while the last overlapped round ran
         self.rounds_averaged = self.rounds_alone = self.rounds_failed = self.rounds_missed = 0
+        self.landed_digest: Optional[tuple[int, str]] = None  # (round, digest) of the last overlapped round's outcome
         self.finite_steps = FiniteSteps()  # the inner steps' verdicts, read without stalling the GPU
         self.restarts = 0  # times a non-finite step sent this peer back to the outer parameters
 
@@ -440,6 +444,7 @@ class DiLoCoRounds:
         flight.apply_corrections(self.parameters)
         self.communication_seconds += flight.seconds
         self.last_overlapped_steps = flight.inner_steps
+        self.landed_digest = (flight.round + 1, flight.digest) if flight.digest is not None else None
         with self.tracker.pause_updates():
             self.tracker.update_epoch(self._progress_round())
         self.tracker.report_local_progress(self._progress_round(), self.samples)

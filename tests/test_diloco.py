@@ -12,6 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds, next_round_time
+from hivetrain.digests import tensors_digest
 from hivetrain.hivemind_internals.records import announce_and_count_peers
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
@@ -387,6 +388,8 @@ def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_me
             for model, peer, steps in zip(models, rounds, meanwhile):
                 torch.testing.assert_close(_flat(peer.outer.outer_parameters), outer, rtol=0, atol=1e-5)
                 torch.testing.assert_close(_flat(model.parameters()), outer + steps, rtol=0, atol=1e-5)
+                # the round's thread hashed the outer parameters it landed, for the peer's epoch line
+                assert peer.landed_digest == (round_ + 1, tensors_digest(peer.outer.outer_parameters))
             assert (outer - began[0]).abs().max() > 1e-3  # the rounds really moved the weights
     finally:
         for peer in rounds:

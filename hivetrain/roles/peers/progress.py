@@ -7,7 +7,6 @@ publishes, while every rank waits for the peers and applies the stop rule, so th
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from typing import Any, Optional
@@ -15,6 +14,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
+from hivetrain.digests import tensors_digest
 from hivetrain.events import EventLog
 from hivetrain.swarm import raise_if_leaving
 from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publish_peer_record
@@ -148,8 +148,19 @@ class SwarmProgress(pl.Callback):
         self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss),
                     swarm_seconds=trainer.strategy.swarm_seconds, probe=parameter_probe(pl_module), **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
-                f" | this peer: {self.samples} samples, loss {loss:.3f} | params {parameter_digest(pl_module)}")
+                f" | this peer: {self.samples} samples, loss {loss:.3f} | params {self._epoch_digest(trainer, epoch)}")
         _say(trainer, line)
+
+    @staticmethod
+    def _epoch_digest(trainer: pl.Trainer, epoch: int) -> str:
+        """The parameters' digest at a new swarm epoch: an overlapped diloco round's thread hashed the outer
+        parameters it landed (the training thread need not stop for it; the live parameters then differ by the inner
+        steps taken meanwhile), else this peer's live parameters, which after a blocking round are those outer ones."""
+        rounds = trainer.strategy.rounds
+        landed = rounds.landed_digest if rounds is not None else None
+        if landed is not None and landed[0] == epoch:
+            return landed[1]
+        return parameter_digest(trainer.lightning_module)
 
     def _print_rejoin_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
         dropped = self.epoch - epoch
@@ -236,13 +247,8 @@ def _say(trainer: pl.Trainer, line: str) -> None:
 
 
 def parameter_digest(module: torch.nn.Module) -> str:
-    """A short hash of the parameters: a peer that downloaded a state shows the digest its server showed. Peers in step
-    after an averaging round often show the same one too, but not always: hivemind's all-reduce adds the average's
-    difference to each peer's own copy, which can differ from the average in the last bit (parameter_probe)."""
-    digest = hashlib.sha256()
-    for param in module.parameters():
-        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:10]
+    """A short hash of the module's parameters (hivetrain.digests)."""
+    return tensors_digest(module.parameters())
 
 
 PROBE_SIZE = 16
