@@ -7,8 +7,11 @@ import time
 
 import pytest
 
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+
 from conftest import same_parameters, start_coordinator
 from hivetrain.metrics_store import MetricsReader
+from hivetrain.roles.coordinator.relay import newest_epoch_samples
 from benchmarks.netns import NattedNamespace
 
 
@@ -81,6 +84,22 @@ def test_two_peers_behind_nat_average_their_rounds_through_the_coordinator(spawn
     assert any(same_parameters(rounds["first"][r]["probe"], rounds["second"][r]["probe"]) for r in together), rounds
     relayed = [event for event in coordinator.events("relayed") if event["trainers"] == 2]
     assert len(relayed) >= len(together), relayed
+
+
+def test_the_sync_relay_counts_an_epochs_samples_as_the_peers_trackers_do():
+    """A peer steps once its tracker's estimate reaches the target, then stops training for the round, so its records
+    may never show the target: the relay carries each record forward at its rate, as hivemind's tracker does (it used
+    to wait for the records and missed rounds, 1 run in 3 of the test below). A rate or time that is not a finite
+    number carries nothing forward."""
+    def record(epoch, samples, rate, written):
+        return LocalTrainingProgress(peer_id=b"peer", epoch=epoch, samples_accumulated=samples, samples_per_second=rate,
+                                     time=written, client_mode=True)
+
+    now = 1000.0
+    honest = [record(2, 48, 10.0, now - 2), record(2, 48, 10.0, now - 2), record(1, 500, 10.0, now - 2)]
+    assert newest_epoch_samples(honest, now) == (2, 136.0)  # 96 written, 20 more each since; epoch 1 not counted
+    assert newest_epoch_samples([record(2, 48, float("inf"), now), record(2, 48, 10.0, float("nan"))], now) == (2, 96.0)
+    assert newest_epoch_samples([record(2, 48, 10.0, now + 60)], now) == (2, 48.0)  # written "later": nothing added
 
 
 def test_two_sync_peers_behind_nat_average_their_gradients_through_the_coordinator(spawn, tmp_path, nat, second_nat):

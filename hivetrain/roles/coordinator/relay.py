@@ -19,6 +19,7 @@ the clock's grid (hivetrain.diloco.next_round_time): its group forms when theirs
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -237,9 +238,7 @@ class GradientRelay(Relay):
         record's samples carried forward at its rate since it was written (hivemind's ProgressTracker). A peer steps
         at that estimate and then stops training until its round ends, so its records may never show the target
         itself: a relay that waited for them would miss the round."""
-        epoch, now = max(record.epoch for record in records), get_dht_time()
-        samples = sum(record.samples_accumulated + max(0.0, now - record.time) * record.samples_per_second
-                      for record in records if record.epoch == epoch)
+        epoch, samples = newest_epoch_samples(records, get_dht_time())
         if epoch == self._last_epoch or samples < self.target_batch_size:
             return None
         return (epoch,)
@@ -259,3 +258,17 @@ class GradientRelay(Relay):
     def stop(self) -> None:
         super().stop()
         self.averager.shutdown()
+
+
+def newest_epoch_samples(records: list[LocalTrainingProgress], now: float) -> tuple[int, float]:
+    """The newest epoch among progress records, and its samples as hivemind's ProgressTracker estimates them at `now`:
+    each record's own, plus what its peer trained since writing it at the rate it stated. A record whose rate or time
+    is not a finite number adds its own samples only (the schema lets inf through, and anyone may write a record)."""
+    epoch = max(record.epoch for record in records)
+    samples = 0.0
+    for record in records:
+        if record.epoch == epoch:
+            samples += record.samples_accumulated
+            if math.isfinite(record.samples_per_second) and math.isfinite(record.time):
+                samples += max(0.0, now - record.time) * record.samples_per_second
+    return epoch, samples
