@@ -111,9 +111,10 @@ class SwarmProgress(pl.Callback):
         if isinstance(outputs, dict) and "loss" in outputs:  # rank zero's own loss on a peer with several devices
             loss = outputs["loss"].detach()
             self._losses.append(loss)
-            # no lock: the publishing thread takes the list whole, and a loss that lands in it just after is one
-            # value less in one record's mean, where waiting for that thread would stall the training
-            self._recent_losses.append(loss)
+            if speaks:  # where the publishing thread takes them (the other ranks would only pile them up)
+                # no lock: that thread takes the list whole, and a loss that lands in it just after is one value less
+                # in one record's mean, where waiting for that thread would stall the training
+                self._recent_losses.append(loss)
         epoch = trainer.strategy.local_epoch
         if getattr(trainer.strategy, "rollbacks_taken", 0) != self.rollbacks:
             self.rollbacks = trainer.strategy.rollbacks_taken
