@@ -16,7 +16,7 @@ wait for the host.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -51,6 +51,13 @@ def apply_tf32(speedups: dict[str, bool]) -> None:
     leave torch's default ("highest": full fp32). cuDNN's convolutions already allow TF32 by torch's default."""
     if speedups["tf32"]:
         torch.set_float32_matmul_precision("high")
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of `tensors` is finite, read on the host once: asking each tensor (bool() per tensor) made
+    the training thread wait for the GPU once per tensor, about 150 times a step for ViT-B/32's gradients."""
+    verdicts = [torch.isfinite(tensor).all() for tensor in tensors]
+    return not verdicts or bool(torch.stack([v.to(verdicts[0].device) for v in verdicts]).all())
 
 
 class FiniteSteps:

@@ -18,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivetrain.hivemind_internals import PatchedOptimizer
 from hivetrain.record_guard import VettedProgressTracker
 from hivetrain.robust import RobustAggregation
+from hivetrain.speedups import all_finite
 from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
 from hivetrain.swarm_options import COMPRESSION, HivemindOptions
 
@@ -103,10 +104,8 @@ class SwarmOptimizer(PatchedOptimizer):
         return loss
 
     def _finite(self, loss: Optional[torch.Tensor]) -> bool:
-        if loss is not None and not torch.isfinite(loss).all():
-            return False
         gradients = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        return all(torch.isfinite(g).all() for g in gradients)
+        return all_finite(([] if loss is None else [loss.detach()]) + gradients)
 
 
 def optimizer_recipe(optimizer: torch.optim.Optimizer,

@@ -23,7 +23,7 @@ from hivetrain.config import get_preset
 from hivetrain.model import create_model
 from hivetrain.module import ImageClassifier, make_optimizer
 from hivetrain.records import RunRecord, read_record
-from hivetrain.speedups import FiniteSteps, apply_tf32, inner_loop_speedups
+from hivetrain.speedups import FiniteSteps, all_finite, apply_tf32, inner_loop_speedups
 from hivetrain.swarm_optimizer import _fused_on_cuda_only, optimizer_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +168,17 @@ class HostReads(TorchDispatchMode):
                 "/torch/" not in f.filename and not f.filename.endswith("test_speedups.py"))]
             self.sites.append(frames[-1] if frames else "torch")
         return func(*args, **(kwargs or {}))
+
+
+def test_all_finite_reads_one_value_back_for_many_tensors():
+    """A sync peer asks whether its loss and every gradient are finite at each step: one read on the host, not one
+    per tensor (each a wait for the GPU)."""
+    gradients = [torch.ones(3) for _ in range(150)]
+    for tensors, expected in ((gradients, True), (gradients + [torch.tensor([1.0, float("inf")])], False),
+                              ([torch.tensor(float("nan"))] + gradients, False), ([], True)):
+        with HostReads() as reads:
+            assert all_finite(tensors) is expected
+        assert len(reads.sites) == (1 if tensors else 0)
 
 
 def test_the_training_step_reads_nothing_back_to_the_host():
