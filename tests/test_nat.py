@@ -5,13 +5,20 @@ groups (hivetrain.roles.coordinator.relay)."""
 
 import time
 
+import hivemind
 import pytest
-
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import same_parameters, start_coordinator
+from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
-from hivetrain.roles.coordinator.relay import newest_epoch_samples
+from hivetrain.model import create_model
+from hivetrain.module import make_optimizer
+from hivetrain.roles.coordinator.relay import IDLE_LOOK_EVERY, GradientRelay, newest_epoch_samples
+from hivetrain.swarm_optimizer import optimizer_recipe
 from benchmarks.netns import NattedNamespace
 
 
@@ -100,6 +107,49 @@ def test_the_sync_relay_counts_an_epochs_samples_as_the_peers_trackers_do():
     assert newest_epoch_samples(honest, now) == (2, 136.0)  # 96 written, 20 more each since; epoch 1 not counted
     assert newest_epoch_samples([record(2, 48, float("inf"), now), record(2, 48, 10.0, float("nan"))], now) == (2, 96.0)
     assert newest_epoch_samples([record(2, 48, 10.0, now + 60)], now) == (2, 48.0)  # written "later": nothing added
+
+
+def test_the_sync_relay_starts_its_averager_only_once_every_trainer_is_behind_nat(cleanup):
+    """The sync relay's averager is a process of its own holding a copy of the gradients: a run with a trainer that
+    can be dialled never needs it. It is started, from the relay's thread, the first time every trainer's progress
+    record says client mode, and shut down with the relay."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[RSASignatureValidator()],
+                       start=True)  # as the coordinator's, it reads signed records
+    cleanup.append(dht)
+    config = get_preset("demo")
+    param_groups, _, _ = optimizer_recipe(*make_optimizer(create_model(config.model, seed=0), config.optim))
+    trainers = []
+    for _ in range(2):  # two trainers, each signing its progress record as hivemind's peers do
+        signer = RSASignatureValidator(RSAPrivateKey())
+        trainers.append((signer, hivemind.DHT(initial_peers=[str(a) for a in dht.get_visible_maddrs()],
+                                              host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[signer],
+                                              start=True)))
+        cleanup.append(trainers[-1][1])
+
+    def publish(*client_modes: bool) -> None:
+        for (signer, node), client_mode in zip(trainers, client_modes):
+            record = LocalTrainingProgress(peer_id=node.peer_id.to_bytes(), epoch=1, samples_accumulated=8,
+                                           samples_per_second=1.0, time=get_dht_time(), client_mode=client_mode)
+            assert node.store(f"{config.run_id}_progress", record.dict(), get_dht_time() + 60,
+                              subkey=signer.local_public_key)
+
+    lines = []
+    publish(False, True)
+    relay = GradientRelay.for_run(dht, config, param_groups, report=lines.append).start()
+    try:
+        time.sleep(3 * IDLE_LOOK_EVERY)
+        assert relay.averager is None and lines == []  # one trainer can be dialled: it leads the rounds
+        publish(True, True)
+        deadline = time.monotonic() + 30
+        while relay.averager is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        averager = relay.averager
+        assert averager is not None and averager.is_alive() and averager.mode.name == "AUX"
+        assert any(line.startswith("Relaying gradient rounds: every trainer is behind NAT") for line in lines), lines
+    finally:
+        relay.stop()
+    averager.join(timeout=15)
+    assert not averager.is_alive()
 
 
 def test_two_sync_peers_behind_nat_average_their_gradients_through_the_coordinator(spawn, tmp_path, nat, second_nat):

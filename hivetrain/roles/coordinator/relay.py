@@ -9,7 +9,9 @@ the all-reduce, with no weight and no tensors of its own, the run's robust aggre
 
 - diloco (RoundRelay): the state holder's outer-state averager, on the peers' prefix. It gathers RELAY_GATHER, which
   the peers do not count as a groupmate (OuterState).
-- sync (GradientRelay): an auxiliary averager answering as the peers' hivemind GradientAverager, on its prefix.
+- sync (GradientRelay): an auxiliary averager answering as the peers' hivemind GradientAverager, on its prefix,
+  started the first time every trainer is found behind NAT (a process of its own, with a copy of the gradients: a run
+  with a trainer that can be dialled never needs it).
 
 Its search for the group starts when the round comes due by the records, as the peers' own do, and lasts the run's
 matchmaking time: the peers that notice the round within it average together. Rounds paced in seconds fall due on
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -39,12 +42,13 @@ from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, members_only_cl
                                           robust_averager_class)
 from hivetrain.outer_state import RELAY_GATHER, OuterState, round_matchmaking
 from hivetrain.robust import RobustAggregation
-from hivetrain.swarm import keeping_sigint, read_records
+from hivetrain.swarm import read_records
 from hivetrain.swarm_options import COMPRESSION, wire_bytes
 
 logger = logging.getLogger(__name__)
 
 LOOK_EVERY = 0.25  # seconds between two reads of the progress records while relaying and no round is due
+AVERAGER_START_TIMEOUT = 30.0  # seconds for the sync relay's averager process to come up
 IDLE_LOOK_EVERY = 2.0  # ...while a trainer that can be dialled leads the rounds (each read parses every record)
 
 
@@ -57,7 +61,7 @@ class Relay:
     is in client mode (`_due`, `_relay`: the mode's own).
 
     Args:
-        averager: the coordinator's auxiliary averager (it contributes nothing to a round).
+        dht: the coordinator's DHT node, where it reads the progress records.
         progress_key: the DHT key of the peers' progress records.
         averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
         epoch_bound: the highest round a record may name (hivetrain.clock); records beyond it are left out.
@@ -66,11 +70,13 @@ class Relay:
     """
 
     what = "rounds"  # what it relays, in its console lines
+    # the coordinator's auxiliary averager that relays (it contributes nothing to a round); a subclass's to set
+    averager: Optional[DecentralizedAverager] = None
 
-    def __init__(self, averager: DecentralizedAverager, progress_key: str, averaging_timeout: float,
+    def __init__(self, dht: DHT, progress_key: str, averaging_timeout: float,
                  epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
                  report: Callable[[str], None] = print_flushed):
-        self.averager, self.progress_key, self.averaging_timeout = averager, progress_key, averaging_timeout
+        self.dht, self.progress_key, self.averaging_timeout = dht, progress_key, averaging_timeout
         self.epoch_bound, self.events, self.report = epoch_bound, events, report
         self._relaying = False  # the last look found only peers in client mode
         self._stop = threading.Event()
@@ -97,16 +103,21 @@ class Relay:
     def _trainers_behind_nat(self) -> list[LocalTrainingProgress]:
         """The trainers' progress records (within the coordinator's clock) when they are two or more and all in client
         mode; none otherwise. Tells the console when that changes."""
-        records = read_records(self.averager.dht, self.progress_key, LocalTrainingProgress)
+        records = read_records(self.dht, self.progress_key, LocalTrainingProgress)
         bound = self.epoch_bound()
         records = [record for record in records if bound is None or record.epoch <= bound]
         relaying = len(records) >= 2 and all(record.client_mode for record in records)
         if relaying != self._relaying:
+            if relaying:
+                self._prepare()
             self._relaying = relaying
             self.report(f"Relaying {self.what}: every trainer is behind NAT (client mode), so this coordinator leads"
                         f" their groups" if relaying else f"No longer relaying {self.what}: a trainer that can be"
                         f" dialled leads them, or fewer than two train")
         return records if relaying else []
+
+    def _prepare(self) -> None:
+        """What relaying needs before its first round (its averager), made once every trainer is behind NAT."""
 
     def _due(self, records: list[LocalTrainingProgress]) -> Optional[tuple[Any, ...]]:
         raise NotImplementedError
@@ -141,8 +152,9 @@ class RoundRelay(Relay):
     def __init__(self, outer: OuterState, progress_key: str, samples_per_peer: int, averaging_timeout: float,
                  robust: bool, events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed,
                  round_seconds: Optional[float] = None, matchmaking_time: float = 0.0):
-        super().__init__(outer, progress_key, averaging_timeout, lambda: outer.epoch_bound(), events, report)
-        self.outer, self.samples_per_peer, self.robust = outer, samples_per_peer, robust
+        super().__init__(outer.dht, progress_key, averaging_timeout, lambda: outer.epoch_bound(), events, report)
+        self.averager = self.outer = outer  # the state holder's: it exists whether or not it relays
+        self.samples_per_peer, self.robust = samples_per_peer, robust
         self.round_seconds, self.matchmaking_time = round_seconds, matchmaking_time
         self._last_time: Optional[float] = None  # rounds paced in seconds: the grid time last relayed (or tried)
         self._last_round: Optional[int] = None  # the last round relayed (or tried)
@@ -181,7 +193,18 @@ class RoundRelay(Relay):
 @named_for_rpc_as(GradientAverager)  # the peers' gradient averagers call it by hivemind's name
 class RelayedGradients(DecentralizedAverager):
     """An auxiliary averager of a sync run's gradients, for GradientRelay: tensors of the gradients' shapes, which it
-    only reduces (hivemind's auxiliary mode sends none of its own)."""
+    only reduces (hivemind's auxiliary mode sends none of its own). Started from the relay's thread, where hivemind's
+    run_in_background cannot set SIGINT aside for the process it forks (signals are the main thread's): its process
+    does so itself, and the coordinator's Ctrl-C stops it through the coordinator's shutdown, as any averager."""
+
+    def run(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        super().run()
+
+    def start_in_thread(self, timeout: Optional[float] = None) -> None:
+        """hivemind's run_in_background, from a thread other than the main one."""
+        self.start()
+        self.wait_until_ready(timeout)
 
 
 class GradientRelay(Relay):
@@ -190,7 +213,9 @@ class GradientRelay(Relay):
     rule for the epoch's end). Built by `for_run`.
 
     Args:
-        averager: an auxiliary averager on the peers' gradient prefix (for_run's).
+        make_averager: makes an auxiliary averager on the peers' gradient prefix, not started (for_run's); called
+            the first time every trainer is behind NAT.
+        dht: the coordinator's DHT node.
         progress_key: the DHT key of the peers' progress records (hivemind.Optimizer's tracker's).
         target_batch_size: samples the swarm accumulates per swarm epoch.
         averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
@@ -202,10 +227,12 @@ class GradientRelay(Relay):
 
     what = "gradient rounds"
 
-    def __init__(self, averager: DecentralizedAverager, progress_key: str, target_batch_size: int,
-                 averaging_timeout: float, gradient_bytes: int, epoch_bound: Callable[[], Optional[int]] = lambda: None,
-                 events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed):
-        super().__init__(averager, progress_key, averaging_timeout, epoch_bound, events, report)
+    def __init__(self, make_averager: Callable[[], RelayedGradients], dht: DHT, progress_key: str,
+                 target_batch_size: int, averaging_timeout: float, gradient_bytes: int,
+                 epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
+                 report: Callable[[str], None] = print_flushed):
+        super().__init__(dht, progress_key, averaging_timeout, epoch_bound, events, report)
+        self.make_averager = make_averager
         self.target_batch_size, self.gradient_bytes = target_batch_size, gradient_bytes
         self._last_epoch: Optional[int] = None  # the last epoch relayed (or tried)
 
@@ -227,11 +254,18 @@ class GradientRelay(Relay):
         compression = COMPRESSION[swarm.grad_compression]()
         matchmaking = round_matchmaking(swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout,
                                         swarm.target_group_size)
-        with keeping_sigint():
-            averager = averager_class(averaged_tensors=gradients, dht=dht, prefix=f"{config.run_id}_grad_averager",
-                                      auxiliary=True, compression=compression, start=True, **matchmaking, **robust)
-        return cls(averager, f"{config.run_id}_progress", swarm.target_batch_size, swarm.averaging_timeout,
+        def make_averager() -> RelayedGradients:
+            return averager_class(averaged_tensors=gradients, dht=dht, prefix=f"{config.run_id}_grad_averager",
+                                  auxiliary=True, compression=compression, start=False, **matchmaking, **robust)
+
+        return cls(make_averager, dht, f"{config.run_id}_progress", swarm.target_batch_size, swarm.averaging_timeout,
                    wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report)
+
+    def _prepare(self) -> None:
+        if self.averager is None:
+            averager = self.make_averager()
+            averager.start_in_thread(timeout=AVERAGER_START_TIMEOUT)
+            self.averager = averager
 
     def _due(self, records: list[LocalTrainingProgress]) -> Optional[tuple[int]]:
         """The newest epoch, once its samples reach the target batch as the peers' own trackers count them: each
@@ -257,7 +291,8 @@ class GradientRelay(Relay):
 
     def stop(self) -> None:
         super().stop()
-        self.averager.shutdown()
+        if self.averager is not None:
+            self.averager.shutdown()
 
 
 def newest_epoch_samples(records: list[LocalTrainingProgress], now: float) -> tuple[int, float]:
