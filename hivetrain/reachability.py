@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -23,6 +24,8 @@ from hivetrain.access import RunAuthorizer
 from hivetrain.hivemind_internals import dial
 from hivetrain.hivemind_internals.dht import node_authorizer
 from hivetrain.swarm import daemon_start_error
+
+logger = logging.getLogger(__name__)
 
 DIAL_BACK = "hivetrain.dial_back"
 DIAL_TIMEOUT = 10.0  # seconds the coordinator tries to dial a peer back
@@ -65,8 +68,12 @@ class DialBackService:
         except Exception as e:  # a malformed request gets an answer too, never a crash
             answer = dict(reachable=None, error=f"bad request: {type(e).__name__}")
         else:
-            answer = (self._no_grant(stream_info.peer_id, request) or self._refusal(stream_info.peer_id)
-                      or await self._check(stream_info.peer_id, maddrs))
+            try:
+                answer = (self._no_grant(stream_info.peer_id, request) or self._refusal(stream_info.peer_id)
+                          or await self._check(stream_info.peer_id, maddrs))
+            except Exception as e:  # the probe's p2pd did not start, say: the asker hears so rather than EOF
+                logger.warning(f"A dial-back check failed: {type(e).__name__}: {e}")
+                answer = dict(reachable=None, error="the coordinator could not check now")
         writer.write(json.dumps(answer).encode() + b"\n")
         await writer.drain()
         writer.close()
@@ -146,8 +153,12 @@ async def _ask(initial_peers: Sequence[str], host_maddrs: Sequence[str], announc
                                                            timeout)
                 writer.write(request)
                 await writer.drain()
-                answer = json.loads(await asyncio.wait_for(reader.readline(), timeout + DIAL_TIMEOUT))
+                line = await asyncio.wait_for(reader.readline(), timeout + DIAL_TIMEOUT)
                 writer.close()
+                if not line:  # the stream closed without an answer
+                    problems.append(f"{address}: no answer")
+                    continue
+                answer = json.loads(line)
             except Exception as e:  # this initial peer does not answer (or is not a coordinator): ask the next
                 problems.append(f"{address}: {type(e).__name__}")
                 continue
