@@ -159,6 +159,21 @@ class Process:
         self._reader.join(10)
         return code
 
+    def dump_stacks(self, settle: float = 0.5) -> None:
+        """Every thread's stack of each Python process it runs (the role and the DHT and averager processes it forked)
+        into its log: SIGUSR1, which a role hands to faulthandler (hivetrain.swarm.run_role). For a test that gives up
+        waiting on a role: what it hung on. One process at a time, `settle` seconds apart: they share the log, and
+        dumps written at once interleave. p2pd, a Go program that SIGUSR1 would end, is left alone."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            main = psutil.Process(self.popen.pid)
+            for process in [main, *main.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    if "python" in os.path.basename(process.exe()):
+                        process.send_signal(signal.SIGUSR1)
+                        time.sleep(settle)
+
     def leave(self, timeout: float = 60.0) -> None:
         """Stop it as a user does (SIGTERM to its main process, which shuts its own processes down); waits."""
         if self.popen.poll() is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import ipaddress
 import logging
@@ -229,9 +230,12 @@ def keeping_sigint() -> Iterator[None]:
 
 
 def run_role(work: Callable[[], int], farewell: str) -> int:
-    """The main() of a role: log to stderr, leave on SIGTERM or Ctrl-C with `farewell` and exit code 0."""
+    """The main() of a role: log to stderr, leave on SIGTERM or Ctrl-C with `farewell` and exit code 0. SIGUSR1 prints
+    every thread's stack to stderr, in this process and in those it forks (its DHT's, its averagers'): what a role
+    that hangs is waiting for."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     leave_on_sigterm()
     try:
         return work()

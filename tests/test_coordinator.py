@@ -1,5 +1,7 @@
 """The coordinator as a process: it resumes a run from a checkpoint and serves that state to joiners, and it refuses a
-damaged or foreign checkpoint before touching the run."""
+damaged or foreign checkpoint before touching the run; SIGUSR1 shows where each of its processes stands."""
+
+import time
 
 import torch
 
@@ -50,6 +52,24 @@ def test_resume_serves_the_checkpoint_to_joiners(spawn, tmp_path):
     expected = evaluate(model, make_datamodule(CONFIG).val_dataloader())
     assert (validation.top1, validation.loss) == (expected["top1"], expected["loss"])
     assert uri.endswith(f"ckpt-{EPOCH:06d}.tar")
+
+
+def test_sigusr1_prints_every_threads_stack_of_each_process_and_the_role_goes_on(spawn, tmp_path):
+    """What a hung role waits for (a test that gives up on one asks it so: benchmarks.harness.Process.dump_stacks):
+    the coordinator and the processes it forked (its DHT's, its state holder's averager) each print their threads'
+    stacks, and the coordinator goes on serving."""
+    coordinator, _ = start_coordinator(spawn, tmp_path, "--preset", "demo")
+    coordinator.dump_stacks()
+    deadline = time.monotonic() + 10
+    while sum(line.startswith("Current thread 0x") for line in coordinator.lines) < 2:
+        assert time.monotonic() < deadline, coordinator.lines[-40:]
+        time.sleep(0.2)
+    assert any("in run_role" in line for line in coordinator.lines)  # the main process's main thread, inside its role
+    dumped = len(coordinator.lines)
+    deadline = time.monotonic() + 15
+    while not any(line.startswith("swarm epoch ") for line in coordinator.lines[dumped:]):  # a status line per look
+        assert coordinator.popen.poll() is None and time.monotonic() < deadline, coordinator.lines[dumped:]
+        time.sleep(0.2)
 
 
 def test_resume_refuses_a_damaged_or_foreign_checkpoint(spawn, tmp_path):

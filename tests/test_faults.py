@@ -108,7 +108,10 @@ def _wait(condition, what: str, processes: list[Process], timeout: float = TIMEO
     while not (result := condition()):
         for process in processes:
             assert process.popen.poll() is None, f"{process.log} exited while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s; logs: {[str(p.log) for p in processes]}"
+        if time.monotonic() >= deadline:
+            for process in processes:  # what each one was waiting for, in its log
+                process.dump_stacks()
+            raise AssertionError(f"no {what} within {timeout} s; logs (with stacks): {[str(p.log) for p in processes]}")
         time.sleep(0.2)
     return result
 
