@@ -39,12 +39,12 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import SwarmConfig
 from hivetrain.digests import tensors_digest
-from hivetrain.hivemind_internals import HookedProgressTracker, other_training_peers
+from hivetrain.hivemind_internals import HookedProgressTracker, other_training_peers, progress_subkey
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import INT64_MAX, vetted
 from hivetrain.speedups import FiniteSteps
-from hivetrain.swarm import RECORD_LIFETIME, read_records, withdraw_records
+from hivetrain.swarm import RECORD_LIFETIME, read_records_beside_own, withdraw_records
 from hivetrain.telemetry import bounded_sum
 
 logger = logging.getLogger(__name__)
@@ -491,16 +491,19 @@ class DiLoCoRounds:
         waiting, deadline = set(self.outer.last_groupmates), time.monotonic() + timeout
         absent_since: dict[bytes, float] = {}
         while waiting:
-            records = read_records(self.outer.dht, self.tracker.training_progress_key, LocalTrainingProgress)
-            rounds, now = {record.peer_id: record.epoch for record in records}, time.monotonic()
+            records = read_records_beside_own(self.outer.dht, self.tracker.training_progress_key,
+                                              LocalTrainingProgress, progress_subkey(self.tracker))
+            now = time.monotonic()
+            rounds = {record.peer_id: record.epoch for record in records} if records is not None else {}
             for peer in list(waiting):
                 if peer in rounds:
                     absent_since.pop(peer, None)
                     if rounds[peer] >= self.round:
                         waiting.discard(peer)
-                # Gone once its record stays missing: one read of the DHT can come back without a record that is
-                # there (tests/test_diloco.py saw this wait end at once, the groupmate's record just read at round 0)
-                elif now - absent_since.setdefault(peer, now) >= GROUPMATE_GONE_AFTER:
+                # Gone once its record stays missing from reads that found this peer's own entry: a read can come
+                # back without a record that is there (tests/test_diloco.py saw this wait end at once, the
+                # groupmate's record just read at round 0), and a single read can miss one a moment
+                elif records is not None and now - absent_since.setdefault(peer, now) >= GROUPMATE_GONE_AFTER:
                     waiting.discard(peer)
             if not waiting or now > deadline:
                 break

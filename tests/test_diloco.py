@@ -13,10 +13,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds, next_round_time
 from hivetrain.digests import tensors_digest
-from hivetrain.hivemind_internals.records import announce_and_count_peers
+from hivetrain.hivemind_internals.records import announce_and_count_peers, progress_subkey
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
-from hivetrain.swarm import DHTOptions, read_records, start_dht
+from hivetrain.swarm import DHTOptions, read_records, read_records_beside_own, start_dht
 
 CONFIG = get_preset("demo")
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -209,6 +209,32 @@ def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradi
         assert not waiter.is_alive()
     finally:
         for peer in rounds:
+            peer.shutdown()
+
+
+def test_a_read_that_missed_the_readers_own_record_tells_nothing_of_who_is_gone(dhts):
+    """A leaving peer takes a groupmate as gone when its record stays missing (wait_for_last_groupmates); a read that
+    came back without the reader's own entry (live, or cleared as it left) may have missed the groupmate's too."""
+    first, second = dhts(2)
+    reader, other = (_rounds(dht, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
+                     for dht in (first, second))
+    key, own = reader.tracker.training_progress_key, progress_subkey(reader.tracker)
+    try:
+        both = {reader.outer.peer_id.to_bytes(), other.outer.peer_id.to_bytes()}
+        for peer in (reader, other):
+            peer.tracker.report_local_progress(0, 8)  # hivemind reports a peer's progress once it has samples
+        deadline = time.monotonic() + 30
+        while {r.peer_id for r in read_records(reader.outer.dht, key, LocalTrainingProgress)} != both:
+            assert time.monotonic() < deadline, "the peers' records never showed"
+            time.sleep(0.1)
+        assert read_records_beside_own(reader.outer.dht, key, LocalTrainingProgress, b"[owner:nobody]") is None
+        records = read_records_beside_own(reader.outer.dht, key, LocalTrainingProgress, own)
+        assert {r.peer_id for r in records} == both
+        reader.withdraw()  # its own entry cleared: the reads still reach the records
+        records = read_records_beside_own(reader.outer.dht, key, LocalTrainingProgress, own)
+        assert [r.peer_id for r in records] == [other.outer.peer_id.to_bytes()]
+    finally:
+        for peer in (reader, other):
             peer.shutdown()
 
 
