@@ -6,10 +6,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
-from hivetrain.hivemind_internals import RobustAveraging
+from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
 from hivetrain.model import create_model
 from hivetrain.module import make_optimizer
 from hivetrain.robust import RobustAggregation
@@ -151,3 +152,35 @@ def test_non_finite_gradients_never_reach_the_swarm():
             opt.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_holders_offer_to_share_its_state_never_lapses_between_renewals():
+    """A joiner asks the holders that offer their state in the DHT at that moment. hivemind renewed an offer only as it
+    expired: a joiner reading meanwhile found no holder (a new volunteer started at epoch 0 beside the coordinator's
+    state). Renewed at half its lifetime, the offer read at any moment has a good part of its lifetime left."""
+    period = 2.0
+    dht = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    holder = BoundedDownloads(averaged_tensors=[torch.zeros(4)], dht=dht, prefix="offer_test", start=True,
+                              declare_state_period=period)
+    try:
+        holder.state_sharing_priority = 7.0
+        own, left = holder.peer_id.to_bytes(), []
+
+        def offer_left():  # seconds the holder's offer has left, None while none is there
+            found = dht.get("offer_test.all_averagers", latest=True)
+            entry = found.value.get(own) if found is not None and isinstance(found.value, dict) else None
+            return entry.expiration_time - get_dht_time() if entry is not None and entry.value == 7.0 else None
+
+        deadline = time.monotonic() + 30
+        while offer_left() is None:
+            assert time.monotonic() < deadline, "the holder never offered its state"
+            time.sleep(0.05)
+        end = time.monotonic() + 3 * period
+        while time.monotonic() < end:
+            left.append(offer_left())
+            time.sleep(0.02)
+        assert None not in left
+        assert min(left) > period / 4, sorted(left)[:5]  # renewed at half its lifetime (expiring: near 0)
+    finally:
+        holder.shutdown()
+        dht.shutdown()

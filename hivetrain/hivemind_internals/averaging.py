@@ -3,6 +3,7 @@ hivemind's RPC names, a state server joined on shutdown, and state downloads vet
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import random
@@ -156,6 +157,35 @@ class JoinsStateServer(hivemind.averaging.averager.DecentralizedAverager):
                 thread.join(STATE_SERVER_JOIN_TIMEOUT)
 
 
+class LastingStateOffer(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager whose offer to share its state (`<prefix>.all_averagers`) is renewed at half its
+    lifetime (declare_state_period), as hivemind's ProgressTracker renews a progress record. hivemind renews the offer
+    only when it expires: a joiner reading while the renewal still travelled found no holder, and with the coordinator
+    the only holder left, tests/test_faults.py saw a new volunteer start from scratch at epoch 0 beside the
+    coordinator's epoch-85 state. A holder gone without a word still lapses within declare_state_period."""
+
+    async def _declare_for_download_periodically(self):
+        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        sharing_was_allowed = self.allow_state_sharing
+        while True:
+            now = get_dht_time()
+            expiration_time = now + self.declare_state_period
+            if self.allow_state_sharing or sharing_was_allowed:
+                # as hivemind's: stored even when just switched off (None), to overwrite the offer before
+                asyncio.create_task(asyncio.wait_for(
+                    self.dht.store(download_key, subkey=self.peer_id.to_bytes(),
+                                   value=self.state_sharing_priority if self.allow_state_sharing else None,
+                                   expiration_time=expiration_time, return_future=True),
+                    timeout=self.declare_state_period))
+                sharing_was_allowed = self.allow_state_sharing
+            self._state_updated.clear()  # renewed at half the lifetime, or at once when the offer changes
+            try:
+                await asyncio.wait_for(self._state_updated.wait(),
+                                       timeout=max(0.0, now + self.declare_state_period / 2 - get_dht_time()))
+            except asyncio.TimeoutError:
+                pass
+
+
 class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
     """A DecentralizedAverager whose RPCs (join requests, parts of an all-reduce, state downloads) answer only the
     callers that `caller_check` admits: a coroutine function run in the DHT's process as
@@ -244,7 +274,7 @@ def members_only_class(averager_class: type) -> type:
     return _subclass_under_its_name("members_only_class", averager_class, mixins) if mixins else averager_class
 
 
-class BoundedDownloads(MembersOnly, JoinsStateServer):
+class BoundedDownloads(MembersOnly, JoinsStateServer, LastingStateOffer):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
     process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
     beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than
