@@ -5,6 +5,7 @@ one behind NAT, and two joined to each other by a rate-limited veth pair (peers 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from typing import Optional
@@ -28,6 +29,41 @@ def _cannot_build(network, what: str) -> Optional[str]:
     return None
 
 
+def _kill_inside(namespace: str) -> None:
+    for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
+        try:
+            os.kill(int(pid), 9)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def remove_orphans() -> list[str]:
+    """Remove the namespaces that a process now gone left behind (`hivetrain-<pid>-...`: a test run killed before its
+    cleanup), with what still runs inside; their veth pairs go with them. A left-over host address (10.77.1.1) took
+    the route of the next run's namespace of the same subnet, and its peer could reach nothing ("could not reach any
+    initial peer"). Returns the names removed."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split(" ", 1)[0]
+        owner = re.fullmatch(r"hivetrain-(\d+)-.*", name)
+        if owner is None or _alive(int(owner.group(1))):
+            continue
+        _kill_inside(name)
+        _ip("netns", "del", name, check=False)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
 class VethNamespace:
     """Namespace `name` whose only link is a veth to the host: the host side has 10.77.<subnet>.1, the namespace side
     10.77.<subnet>.2. cut() takes the namespace's side down (the host keeps its address), restore() brings it back."""
@@ -42,6 +78,7 @@ class VethNamespace:
         return _cannot_build(VethNamespace(254), "create a network namespace")
 
     def create(self) -> "VethNamespace":
+        remove_orphans()
         _ip("netns", "add", self.name)
         _ip("link", "add", self._host_link, "type", "veth", "peer", "name", self._ns_link)
         _ip("link", "set", self._ns_link, "netns", self.name)
@@ -64,12 +101,7 @@ class VethNamespace:
 
     def delete(self) -> None:
         """Kill whatever still runs inside, then remove the namespace (its veth end, and so the pair, goes with it)."""
-        pids = _ip("netns", "pids", self.name, check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
+        _kill_inside(self.name)
         _ip("netns", "del", self.name, check=False)
         _ip("link", "del", self._host_link, check=False)
 
@@ -93,6 +125,7 @@ class NattedNamespace:
         return _cannot_build(NattedNamespace(254), "build a NAT between network namespaces")
 
     def create(self) -> "NattedNamespace":
+        remove_orphans()
         host, outside, inside, peer = self._links
         _ip("netns", "add", self.router)
         _ip("netns", "add", self.peer)
@@ -124,11 +157,7 @@ class NattedNamespace:
 
     def delete(self) -> None:
         for namespace in (self.peer, self.router):
-            for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_inside(namespace)
             _ip("netns", "del", namespace, check=False)
         _ip("link", "del", self._links[0], check=False)
 
@@ -149,6 +178,7 @@ class LinkedNamespaces:
         return _cannot_build(LinkedNamespaces(254), "link two network namespaces")
 
     def create(self) -> "LinkedNamespaces":
+        remove_orphans()
         _ip("netns", "add", self.a)
         _ip("netns", "add", self.b)
         _ip("-n", self.a, "link", "add", self.a_link, "type", "veth", "peer", "name", self.b_link)
@@ -182,9 +212,5 @@ class LinkedNamespaces:
 
     def delete(self) -> None:
         for namespace in (self.a, self.b):
-            for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_inside(namespace)
             _ip("netns", "del", namespace, check=False)
