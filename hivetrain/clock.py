@@ -57,18 +57,16 @@ def clock_rules(run_id: str) -> list[KeyRule]:
 def swarm_epoch(previous: int, claims: list[int]) -> int:
     """The coordinator's count of the swarm's epoch, from its `previous` count and the epochs the peers claim: the
     highest of the previous count and the epoch more than half of the claims have reached, when there are two claims
-    or more; with one claim, the claim, but at most EPOCHS_AHEAD beyond the previous count. It never goes back.
+    or more; with one claim, the claim if it is at most EPOCHS_AHEAD beyond the previous count. It never goes back.
 
     So a restarted coordinator catches up with the swarm at its first look once two peers agree; a lone peer (or
-    attacker) moves it by at most EPOCHS_AHEAD per look, and a swarm of one peer far ahead (a coordinator restarted on
-    a fresh store, or the one peer that trained on while the other was cut off) is caught up with look by look, where
-    a claim beyond the bound used to count for nothing, for good; and a peer ahead of the others (one that trained on
-    alone while cut off, whose lone epochs come fast) moves it not at all: it is the one to take the swarm's state
+    attacker) moves it by at most EPOCHS_AHEAD per look; and a peer ahead of the others (one that trained on alone
+    while cut off, whose lone epochs come fast) moves it not at all: it is the one to take the swarm's state
     (hivetrain.coordinator_watch)."""
     if len(claims) >= 2:
         ordered, agreeing = sorted(claims), len(claims) // 2 + 1
         return max(previous, ordered[len(ordered) - agreeing])
-    return max([previous, *(min(claim, previous + EPOCHS_AHEAD) for claim in claims)])
+    return max([previous, *(claim for claim in claims if claim <= previous + EPOCHS_AHEAD)])
 
 
 def publish_clock(dht: hivemind.DHT, run_id: str, epoch: int, ttl: float = CLOCK_TTL) -> bool:

@@ -401,8 +401,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         print(f"Private run: each volunteer adds --token TOKEN, printed by\n  python coordinator/start.py issue-token"
               f" NAME --expires 7d{run_option}\n(revoke-token NAME{run_option} takes one back)", flush=True)
     # A coordinator restarted on its store goes on from the epoch it last counted: its signed clock lapses in the swarm
-    # a minute after it stopped, and from 0 a lone peer's claim far ahead moves the count only by the bound per look
-    # (hivetrain.clock).
+    # a minute after it stopped, and from 0 a lone peer's claim would never move the count (hivetrain.clock).
     counted_before = writer.last_counted_epoch(config.run_id) or 0
     writer.set_run(RunInfo(run_id=config.run_id, preset=config.preset, fingerprint=config.fingerprint,
                            config_json=config.to_json(), join_command=command,
