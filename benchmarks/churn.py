@@ -143,7 +143,8 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             peer.wait_for_event("training_started", timeout=300)
         watch = CountWatch(addresses, run_id)
         watch.start()
-        time.sleep(20)  # every peer through its first round
+        for peer in training:  # every peer through its first round (its first epoch event: the round landed)
+            peer.wait_for_event("epoch", timeout=300)
         steady_from, rounds_start, busy_from = time.time(), rounds_by_peer(store), busy_cpu_seconds()
         time.sleep(steady_s)
         churn_from, busy_steady = time.time(), busy_cpu_seconds()

@@ -62,7 +62,10 @@ def swarm_epoch(previous: int, claims: list[int]) -> int:
     So a restarted coordinator catches up with the swarm at its first look once two peers agree; a lone peer (or
     attacker) moves it by at most EPOCHS_AHEAD per look; and a peer ahead of the others (one that trained on alone
     while cut off, whose lone epochs come fast) moves it not at all: it is the one to take the swarm's state
-    (hivetrain.coordinator_watch)."""
+    (hivetrain.coordinator_watch). A lone claim beyond the bound counts for nothing: a record at epoch 10^12, stored
+    alone before any volunteer joins (tests/test_takeover.py), leaves the count where it was, where taking such a
+    claim as far as the bound raised the count by EPOCHS_AHEAD at every look, for good (tried, 576 after 18 looks). A
+    lone writer that claims just within the bound still moves it so (docs/security.md)."""
     if len(claims) >= 2:
         ordered, agreeing = sorted(claims), len(claims) // 2 + 1
         return max(previous, ordered[len(ordered) - agreeing])
