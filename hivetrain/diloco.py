@@ -102,6 +102,12 @@ class RoundTracker(HookedProgressTracker):
             self.target_batch_size = max(1, paced_round_samples(bounded_sum(rates), self.round_seconds))
         return super().before_parsing_progress(metadata)
 
+    def update_epoch(self, new_epoch: Optional[int] = None) -> int:
+        """A new round: read the others' records for it soon (fetch_soon), not at a read planned before it began."""
+        epoch = super().update_epoch(new_epoch)
+        self.fetch_soon()
+        return epoch
+
 
 def _training_rates(values: list) -> list[float]:
     """The samples/s each progress record states (hivemind's compute-only rate), where it is a usable number."""

@@ -11,7 +11,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
-from hivetrain.diloco import DiLoCoRounds, next_round_time
+from hivetrain.diloco import DiLoCoRounds, RoundTracker, next_round_time
 from hivetrain.digests import tensors_digest
 from hivetrain.hivemind_internals.records import announce_and_count_peers, progress_subkey
 from hivetrain.model import create_model
@@ -493,3 +493,34 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
     finally:
         for peer in rounds:
             peer.shutdown()
+
+
+def test_a_new_round_reads_the_others_records_soon_whatever_the_last_read_planned(dhts):
+    """hivemind plans each read of the progress records at the one before, from the peers' rates then: with none (or
+    rates near zero, before the first steps) that plan lies seconds ahead, and the diloco rounds that began meanwhile
+    counted this peer's own samples only (rounds of 2H inner steps for two peers on the demo). A new round reads the
+    others' records within hivemind's min_refresh_period (0.5 s)."""
+    first, second = dhts(2)
+    trackers = []
+    try:
+        # alone at first: hivemind plans its next read a default_refresh_period ahead
+        trackers.append(RoundTracker(first, "test_soon", samples_per_peer=64, default_refresh_period=60.0,
+                                     private_key=RSAPrivateKey(), start=True))
+        trackers.append(RoundTracker(second, "test_soon", samples_per_peer=64, private_key=RSAPrivateKey(),
+                                     start=True))
+        late, other = trackers
+        other.report_local_progress(1, 64)  # the other peer has begun round 1, and trained 64 samples of it
+        deadline = time.monotonic() + 30
+        while len((first.get("test_soon_progress", latest=True) or (None,))[0] or {}) < 1:
+            assert time.monotonic() < deadline, "the other peer's record never reached the DHT"
+            time.sleep(0.1)
+        assert late.global_progress.samples_accumulated == 0  # its plan: the next read a minute from now
+        began = time.monotonic()
+        with late.pause_updates():
+            late.update_epoch(1)
+        while late.global_progress.samples_accumulated < 64:
+            assert time.monotonic() - began < 5, late.global_progress
+            time.sleep(0.05)
+    finally:
+        for tracker in trackers:
+            tracker.shutdown()
