@@ -36,8 +36,9 @@ class HookedProgressTracker(ProgressTracker):
         """Read the swarm's progress records again within min_refresh_period, not when hivemind planned at its last
         read. hivemind plans the next read at a share of the estimated time to the next epoch, from the peers' rates
         in their records, which are near zero before their first steps: the plan then lies up to max_refresh_period
-        (10 s) ahead, and the rounds of a diloco run that began meanwhile counted this peer's own samples only (2H
-        inner steps per round for 2 peers on the demo, whose 8 rounds took 12 s)."""
+        (10 s) ahead, and the diloco rounds that began meanwhile counted this peer's own samples only (rounds of 2H
+        inner steps for 2 peers in a probe, where H steps took 0.6 s). Call it under pause_updates(), as update_epoch
+        is called: hivemind's reader replaces global_progress under that lock."""
         self.global_progress.next_fetch_time = min(self.global_progress.next_fetch_time,
                                                    get_dht_time() + self.min_refresh_period)
         self.global_state_updated.set()  # hivemind's reader waits on it: it wakes, and waits anew to the time above
