@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
 import time
 from typing import Optional, Sequence, Union
 
@@ -38,9 +36,9 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import SwarmConfig
-from hivetrain.digests import tensors_digest
 from hivetrain.hivemind_internals import HookedProgressTracker, other_training_peers, progress_subkey
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
+from hivetrain.overlapped_round import RoundInFlight
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import INT64_MAX, vetted
 from hivetrain.speedups import FiniteSteps
@@ -114,75 +112,6 @@ def _training_rates(values: list) -> list[float]:
     rates = [value.get("samples_per_second") if isinstance(value, dict) else None for value in values]
     return [float(rate) for rate in rates
             if isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0]
-
-
-class RoundInFlight:
-    """An outer round that runs in a background thread while the peer goes on with its inner steps (an overlapped
-    round, as in "Eager updates for overlapped communication and computation in DiLoCo", arXiv 2502.12996).
-
-    The round averages the parameters the peer had when the round was due (a snapshot, taken between two steps), and
-    the peer's live parameters take its result as corrections, applied between two inner steps in this order:
-
-    1. eager: once this peer's own outer step is taken (outer parameters p_i, from its own pseudo-gradient and the
-       outer momentum), the live parameters move by p_i - snapshot: the next inner steps go on from this peer's own
-       outer step, the local stand-in for the swarm's, instead of from its stale inner parameters;
-    2. when the group's average p arrives: by p - p_i, which replaces this peer's own outer step with the swarm's.
-
-    After both, the live parameters are p plus the inner steps taken meanwhile: the outer state is the one a blocking
-    round reaches, no inner step taken during the communication is lost, and the next round's pseudo-gradient (outer
-    minus local parameters) carries those steps to the swarm."""
-
-    def __init__(self, outer: OuterState, parameters: Sequence[torch.Tensor], weight: float,
-                 timeout: Optional[float], scheduled: Optional[StepControl] = None):
-        self.round, self.weight = outer.round, weight
-        self.result: Optional[bool] = None  # as OuterState.outer_step's
-        self.seconds = 0.0  # the round's wall time in the background, set when it has finished
-        self.inner_steps = 0  # the peer's inner steps while the round was in flight (DiLoCoRounds counts them)
-        self.digest: Optional[str] = None  # of the outer parameters it ended with, hashed here, off the training thread
-        self.finished = threading.Event()
-        self._corrections: queue.SimpleQueue = queue.SimpleQueue()
-        # On the parameters' device, a copy taken in a moment: the thread moves it to the host while training goes on
-        snapshot = [p.detach().clone() for p in parameters]
-        self._thread = threading.Thread(target=self._run, args=(outer, snapshot, timeout, scheduled), daemon=True,
-                                        name=f"outer-round-{self.round}")
-        self._thread.start()
-
-    def _run(self, outer: OuterState, snapshot: list[torch.Tensor], timeout: Optional[float],
-             scheduled: Optional[StepControl]) -> None:
-        started, own = time.perf_counter(), []
-        try:
-            local = [t.to("cpu", torch.float32) for t in snapshot]
-            del snapshot
-
-            def eager() -> None:
-                with outer.get_tensors(), torch.no_grad():
-                    own.extend(p.clone() for p in outer.outer_parameters)
-                self._corrections.put([o - l for o, l in zip(own, local)])
-
-            self.result = outer.outer_step(local, self.weight, timeout, after_own_step=eager, scheduled=scheduled)
-            with outer.get_tensors(), torch.no_grad():
-                if self.result:  # averaged with others (alone or failed, the outer parameters are this peer's own step)
-                    self._corrections.put([p - o for p, o in zip(outer.outer_parameters, own)])
-                self.digest = tensors_digest(outer.outer_parameters)
-        except Exception as e:  # the averager shut down under the round (the peer is leaving)
-            logger.debug(f"Outer round {self.round} broke off: {type(e).__name__}: {e}")
-            self.result = None
-        finally:
-            self.seconds = time.perf_counter() - started
-            self.finished.set()
-
-    def apply_corrections(self, parameters: Sequence[torch.Tensor]) -> bool:
-        """Add the corrections that have arrived to the live parameters; True when there were any."""
-        applied = False
-        while True:
-            try:
-                deltas = self._corrections.get_nowait()
-            except queue.Empty:
-                return applied
-            with torch.no_grad():
-                for parameter, delta in zip(parameters, deltas):
-                    parameter.add_(delta.to(parameter.device, parameter.dtype))
-            applied = True
 
 
 class DiLoCoRounds:
@@ -299,6 +228,7 @@ class DiLoCoRounds:
             if not self._next_round_due():
                 # still this round's samples to the others: they may not have started it yet
                 self.tracker.report_local_progress(self.flight.round, int(self.flight.weight) + self.samples)
+                self._maybe_schedule_round()
                 return changed
             landed = changed = self.finish_round()  # this peer's next round is due: the last one must land first
         self.tracker.report_local_progress(self._progress_round(), self.samples)
@@ -355,13 +285,17 @@ class DiLoCoRounds:
 
     def _maybe_schedule_round(self) -> None:
         """Rounds paced in seconds, between two inner steps: once the next round's group forms within a matchmaking
-        time (group_time), start looking for it (hivemind looks for one group at a time: not while a round is in
-        flight)."""
-        if self.next_round_at is None or self.scheduled is not None or self.flight is not None:
+        time (group_time), start looking for it. Beside a round in flight, once that round has found its group
+        (OuterState.group_found): an overlapped round is in flight nearly all the time, and waiting for it to land
+        left no time to look ahead (the demo's paced peers: no group ready in any round)."""
+        if self.next_round_at is None or self.scheduled is not None:
+            return
+        if self.flight is not None and not self.outer.group_found(self.flight.round):
             return
         forms = group_time(self.next_round_at, self.matchmaking_time)
         if self._others_due() is None or time.time() < forms - self.matchmaking_time:
             return
+        self.outer.expect_peers(self.num_peers)
         try:
             self.scheduled = (self.outer.round, self.outer.schedule_round(forms, self.averaging_timeout))
         except Exception as e:  # the averager shutting down under it: the round looks for its group when due
@@ -396,6 +330,7 @@ class DiLoCoRounds:
             return  # nothing trained since the last round: nothing to contribute (a zero weight)
         started = time.perf_counter()
         round_ = self.outer.round
+        self.outer.expect_peers(self.num_peers)
         try:
             with self.tracker.pause_updates():
                 self.last_round_steps = self.inner_steps_since_round
@@ -415,6 +350,7 @@ class DiLoCoRounds:
             return
         started = time.perf_counter()
         self.last_round_steps = self.inner_steps_since_round
+        self.outer.expect_peers(self.num_peers)
         self.flight = RoundInFlight(self.outer, self.parameters, float(self.samples), self._others_due(),
                                     scheduled=self._take_scheduled())
         self._begin_inner_steps()

@@ -14,7 +14,8 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
-from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging, wait_unless_left_alone
+from hivetrain.hivemind_internals import (BoundedDownloads, GroupClosesWhenFull, RobustAveraging,
+                                          wait_unless_left_alone)
 from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
 from hivetrain.swarm_options import wire_bytes
@@ -52,7 +53,7 @@ def round_matchmaking(matchmaking_time: float, averaging_timeout: float, next_ch
     )
 
 
-class OuterState(RobustAveraging, BoundedDownloads):
+class OuterState(RobustAveraging, BoundedDownloads, GroupClosesWhenFull):
     """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
 
     A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
@@ -94,6 +95,8 @@ class OuterState(RobustAveraging, BoundedDownloads):
         self.states_served = 0  # state downloads this peer has answered (benchmarks.scale: where joiners go)
         # A round whose group was looked for ahead (schedule_round): whether the group stood ready when it fell due
         self.group_ready_when_due: Optional[bool] = None
+        self.group_size_limit: Optional[int] = kwargs.get("target_group_size")  # the run's G (None: one group)
+        self._round_control: Optional[tuple[int, StepControl]] = None  # the last round's averaging step, by round
         self.compression = compression
         # One round at a time: held for a whole round, the search for its group included (seconds).
         self.round_lock = threading.Lock()
@@ -187,6 +190,21 @@ class OuterState(RobustAveraging, BoundedDownloads):
             # group only peers of the same round (its last two bits in the group key); a peer that fell behind
             # finds no group, takes its own step, and loads the swarm's state at its next look.
             self.set_group_bits(f"{round_ % 4:02b}")
+
+    def expect_peers(self, peers: int) -> None:
+        """The swarm trains `peers` peers now (the progress records): this peer's next groups close once they hold
+        that many (GroupClosesWhenFull), or the run's group size G if smaller. A peer the records do not show yet
+        (a joiner) may find a group already full, and takes its own step that round."""
+        limit = self.group_size_limit
+        self.expect_group_of(max(2, peers) if limit is None else min(limit, max(2, peers)))
+
+    def group_found(self, round_: int) -> bool:
+        """Whether round `round_`'s search for its group is over (its all-reduce running, or the round done): only then
+        may the next round's group be looked for, since hivemind's averager looks for one group at a time, and a
+        search beside another could pair this peer's two rounds with one groupmate's round."""
+        current = self._round_control
+        return (current is not None and current[0] == round_
+                and current[1].stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED))
 
     def schedule_round(self, at: float, timeout: float) -> StepControl:
         """Look for this round's group from now on, to be formed at `at`; its all-reduce then waits for outer_step to
@@ -288,6 +306,7 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
                 # progress, and a slow peer after its current step.
                 control = self.step(weight=weight, timeout=timeout, gather=started_round, wait=False)
+            self._round_control = (started_round, control)
             if wait_unless_left_alone(control, self.left_alone, timeout):
                 logger.info(f"Outer round {started_round}: the other peer left during it, this peer's step stands")
                 return {self.peer_id: started_round}  # a group of one: this peer's own step

@@ -212,6 +212,35 @@ def test_two_peers_take_a_nesterov_step_on_the_sample_weighted_mean_pseudo_gradi
             peer.shutdown()
 
 
+def test_a_round_starts_once_every_peer_in_the_records_has_joined_its_group_not_when_the_window_ends(dhts):
+    """With a matchmaking window of 40 s, two peers that see each other in the progress records average within a
+    fraction of it: the leader closes the group once it holds both (GroupClosesWhenFull), where hivemind's leader
+    waited out its window whoever had joined."""
+    window = 40.0
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    rounds = [DiLoCoRounds(dht, "test_full_group", list(model.parameters()), inner_steps=1, batch_size=1,
+                           outer_lr=0.7, outer_momentum=0.9, matchmaking_time=window, averaging_timeout=2 * window,
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey())
+              for dht, model in zip(dhts(2), models)]
+    try:
+        for peer in rounds:
+            peer.samples = 1
+            peer.tracker.report_local_progress(0, 1)
+        deadline = time.monotonic() + 30
+        while min(peer.num_peers for peer in rounds) < 2:
+            assert time.monotonic() < deadline, "the peers never saw each other"
+            time.sleep(0.1)
+        started = time.monotonic()
+        _average_one_round_together(rounds)
+        took = time.monotonic() - started
+        assert took < window / 2, f"the round took {took:.1f} s: its group waited for the window to end"
+        torch.testing.assert_close(_flat(rounds[0].outer.outer_parameters), _flat(rounds[1].outer.outer_parameters),
+                                   rtol=0, atol=1e-6)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+
+
 def test_a_read_that_missed_the_readers_own_record_tells_nothing_of_who_is_gone(dhts):
     """A leaving peer takes a groupmate as gone when its record stays missing (wait_for_last_groupmates); a read that
     came back without the reader's own entry (live, or cleared as it left) may have missed the groupmate's too."""

@@ -186,6 +186,24 @@ class LastingStateOffer(hivemind.averaging.averager.DecentralizedAverager):
                 pass
 
 
+class GroupClosesWhenFull(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager told, before each round, how many peers its group can hold at most (the peers training
+    in the swarm now, or fewer): its leader starts the all-reduce as soon as that many have joined. Without a target
+    group size, hivemind's leader waits out the whole matchmaking window (min_matchmaking_time, and longer for a group
+    looked for ahead) however soon every peer of the swarm has joined, and a round takes at least that long: two demo
+    peers spent 23% of their time in rounds with the window, 14% with a group that closed when full."""
+
+    def expect_group_of(self, size: Optional[int]) -> None:
+        """Close each group once it holds `size` peers (None: at the end of the matchmaking window), from this averager's
+        next search for a group on: the pipe carries the commands in order, so a step sent after this sees it."""
+        if size != getattr(self, "_expected_group_size", "unset"):
+            self._expected_group_size = size
+            self._outer_pipe.send(("_expect_group_of", [], dict(size=size)))
+
+    async def _expect_group_of(self, size: Optional[int]) -> None:
+        self._matchmaking.target_group_size = size  # hivemind's leader reads it at each join request
+
+
 class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
     """A DecentralizedAverager whose RPCs (join requests, parts of an all-reduce, state downloads) answer only the
     callers that `caller_check` admits: a coroutine function run in the DHT's process as
