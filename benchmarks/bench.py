@@ -30,7 +30,6 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -41,7 +40,7 @@ from benchmarks.churn import churn_section, churn_suite
 from benchmarks.communication import communication_section, communication_suite
 from benchmarks.convergence import convergence_section, convergence_suite
 from benchmarks.defences import attacks_section, attacks_suite
-from benchmarks.harness import ROOT
+from benchmarks.harness import ROOT, git_commit
 from benchmarks import report
 from benchmarks.report import RECORDS, newest_record  # noqa: F401 (the tests read records through bench)
 from benchmarks.join import join_section, join_suite
@@ -60,12 +59,7 @@ def environment() -> dict:
     import hivemind
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=commit,
+    return dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=git_commit(short=True),
                 machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
                 python=platform.python_version(), torch=torch.__version__, hivemind=hivemind.__version__)
 

@@ -55,6 +55,7 @@ from typing import Optional
 from benchmarks.gpu_control import (COMPILE_OVERRUN_S, COMPILE_TIMEOUT_S, COMPILE_WARMUP_STEPS, STOPPED_WHILE_RUNNING,
                                     compile_figures, run_control, why_skipped)
 from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET, why_it_failed
+from benchmarks.harness import git_commit
 from benchmarks.gpu_swarm import (OWN_REFERENCE_RUN, SWARM_PRECISION, SWARM_VARIANTS, ensure_hivemind,
                                   measure_ceiling, measure_swarm_variants, new_swarm_record, prepend_pythonpath)
 
@@ -345,17 +346,6 @@ def describe_environment(commit: Optional[str]) -> dict:
         cuda=torch.version.cuda, cudnn=cudnn, hivemind=hivemind, driver=driver,
         gpus=gpus, cuda_device_count=torch.cuda.device_count(),
     )
-
-
-def git_commit() -> str:
-    """`git rev-parse HEAD`, marked when the working tree has uncommitted changes to tracked files."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                 capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git repository here: pass --commit)"
-    return head.stdout.strip() + (" with uncommitted changes" if changed.stdout.strip() else "")
 
 
 def search_batch(precision: str, start: int, args: argparse.Namespace, artifacts: Path, clock: Clock) -> dict:

@@ -24,6 +24,19 @@ from typing import Callable, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def git_commit(short: bool = False) -> str:
+    """The commit a page's figures were measured at (`git rev-parse HEAD`), marked when the working tree has
+    uncommitted changes to tracked files: a figure from such a tree comes from no commit."""
+    try:
+        head = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git repository here: pass --commit)"
+    return head.stdout.strip() + (" with uncommitted changes" if changed.stdout.strip() else "")
+
+
 class Process:
     """A script of this repository run by this Python in its own process group (stopping it takes its hivemind
     processes and p2pd with it), its combined output kept line by line in `lines` and in the file `log`.

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tools are not installed
 
-from benchmarks.harness import ROOT, Process, run_baseline, start_coordinator, start_peer, wait_until_marked_left
+from benchmarks.harness import (ROOT, Process, git_commit, run_baseline, start_coordinator, start_peer,
+                                wait_until_marked_left)
 from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
 from hivetrain.sampling import PeriodicSampler
 
@@ -258,13 +259,16 @@ def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, losse
     best_validation = max(validations, key=lambda v: v["top1"])  # the first of the best, as the store picks it
     swarm_epochs = min(epochs_reached)
     return dict(
-        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), commit=git_commit(),
         machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU",
         versions=_versions(),
         preset="demo", fingerprint=config.fingerprint, peers=2, threads_per_peer=1, mode=mode,
         inner_steps=inner_steps if mode == "diloco" else None, config=config.to_dict(),
-        # samples per swarm epoch: the target batch (sync) or a round of H steps of both peers (diloco)
-        epoch_samples=inner_steps * config.batch_size * 2 if mode == "diloco" else config.swarm.target_batch_size,
+        # samples per swarm epoch: the target batch (sync); in diloco what the peers trained per round, on average:
+        # a round falls due at H steps of both peers by the progress records, which a peer reads at most every 0.5 s,
+        # so a round of less than that holds more (RoundTracker.update_epoch)
+        epoch_samples=(round(sum(contributions.values()) / max(1, swarm_epochs)) if mode == "diloco"
+                       else config.swarm.target_batch_size),
         target_batch_size=config.swarm.target_batch_size, batch_size=config.batch_size,
         swarm_epochs=swarm_epochs, wall_time_s=round(wall_time, 1), train_samples=sum(contributions.values()),
         samples_per_s=round(sum(contributions.values()) / wall_time, 1),
@@ -334,15 +338,15 @@ def _write_logbook(path: Path, r: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""# Demo: a local swarm on digits
 
-Written by `make demo` (`python scripts/demo.py`) on {r['date']}: a coordinator and two volunteer peers on
-127.0.0.1, one CPU thread each, preset `demo` (fingerprint `{r['fingerprint']}`: a tiny ViT at 32 px on
-scikit-learn's 8x8 digits). CPU run on a small preset; {r['machine']}; {r['versions']}.
+Written by `make demo` (`python scripts/demo.py`) on {r['date']} at commit {r['commit']}: a coordinator and two
+volunteer peers on 127.0.0.1, one CPU thread each, preset `demo` (fingerprint `{r['fingerprint']}`: a tiny ViT at 32
+px on scikit-learn's 8x8 digits). CPU run on a small preset; {r['machine']}; {r['versions']}.
 
 | measure | value |
 |---|---|
 | peers | {r['peers']} |
 | swarm mode | {mode} |
-| samples per swarm epoch / per-step batch of a peer | {r['epoch_samples']} / {r['batch_size']} |
+| samples per swarm epoch (diloco: trained, on average) / per-step batch of a peer | {r['epoch_samples']} / {r['batch_size']} |
 | swarm epochs ({'outer rounds' if r['mode'] == 'diloco' else 'optimizer steps'}) | {r['swarm_epochs']} |
 | wall time, first peer start to last peer exit | {r['wall_time_s']:.1f} s |
 | swarm throughput (samples the peers trained / wall time) | {r['samples_per_s']:.1f} samples/s |
