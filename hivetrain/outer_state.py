@@ -14,8 +14,7 @@ from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
-from hivetrain.hivemind_internals import (BoundedDownloads, GroupClosesWhenFull, RobustAveraging,
-                                          wait_unless_left_alone)
+from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging, wait_unless_left_alone
 from hivetrain.record_guard import warn_skipped
 from hivetrain.swarm import RECORD_LIFETIME, group_matchmaking, keeping_sigint
 from hivetrain.swarm_options import wire_bytes
@@ -53,7 +52,7 @@ def round_matchmaking(matchmaking_time: float, averaging_timeout: float, next_ch
     )
 
 
-class OuterState(RobustAveraging, BoundedDownloads, GroupClosesWhenFull):
+class OuterState(RobustAveraging, BoundedDownloads):
     """The swarm's shared outer parameters and outer momentum (on the host, float32) and the round they belong to.
 
     A round takes the outer step (SGD with Nesterov momentum m, learning rate lr, as torch.optim.SGD defines it) on
@@ -95,7 +94,6 @@ class OuterState(RobustAveraging, BoundedDownloads, GroupClosesWhenFull):
         self.states_served = 0  # state downloads this peer has answered (benchmarks.scale: where joiners go)
         # A round whose group was looked for ahead (schedule_round): whether the group stood ready when it fell due
         self.group_ready_when_due: Optional[bool] = None
-        self.group_size_limit: Optional[int] = kwargs.get("target_group_size")  # the run's G (None: one group)
         self._round_control: Optional[tuple[int, StepControl]] = None  # the last round's averaging step, by round
         self.compression = compression
         # One round at a time: held for a whole round, the search for its group included (seconds).
@@ -190,13 +188,6 @@ class OuterState(RobustAveraging, BoundedDownloads, GroupClosesWhenFull):
             # group only peers of the same round (its last two bits in the group key); a peer that fell behind
             # finds no group, takes its own step, and loads the swarm's state at its next look.
             self.set_group_bits(f"{round_ % 4:02b}")
-
-    def expect_peers(self, peers: int) -> None:
-        """The swarm trains `peers` peers now (the progress records): this peer's next groups close once they hold
-        that many (GroupClosesWhenFull), or the run's group size G if smaller. A peer the records do not show yet
-        (a joiner) may find a group already full, and takes its own step that round."""
-        limit = self.group_size_limit
-        self.expect_group_of(max(2, peers) if limit is None else min(limit, max(2, peers)))
 
     def group_found(self, round_: int) -> bool:
         """Whether round `round_`'s search for its group is over (its all-reduce running, or the round done): only then

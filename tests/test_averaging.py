@@ -37,11 +37,13 @@ def _assert_averagers_follow(options, optimizers) -> None:
             assert averager.matchmaking_kwargs["min_group_size"] == (2 if expected_aggregation is None else 3)
 
 
-@pytest.mark.parametrize("peers, robust_aggregation", [(2, "none"), (3, "centered-clip")])
-def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
+@pytest.mark.parametrize("peers, robust_aggregation, matchmaking_time", [
+    (2, "none", 2.0), (3, "centered-clip", 2.0), (2, "none", 40.0)], ids=["mean", "centered-clip", "long-window"])
+def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation, matchmaking_time):
     """Also with centered-clip (which averages in groups of three or more), its radius wide enough that no honest
     gradient is clipped: the robust gradient and state averagers (hivemind_internals.PatchedOptimizer) then give the
-    same step as the mean."""
+    same step as the mean. With a matchmaking window of 40 s the step takes a fraction of it: the group closes once it
+    holds every peer of the progress records (GroupClosesWhenFull), where hivemind's leader waited out the window."""
     config = get_preset("demo")
     b = 16
     batches = [_batch(seed, b, config) for seed in range(1, peers + 1)]
@@ -55,7 +57,8 @@ def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
     optimizer.step()
 
     options = HivemindOptions(
-        run_id="test_union", target_batch_size=peers * b, batch_size=b, matchmaking_time=2.0, averaging_timeout=30.0,
+        run_id="test_union", target_batch_size=peers * b, batch_size=b, matchmaking_time=matchmaking_time,
+        averaging_timeout=max(30.0, 2 * matchmaking_time),
         robust_aggregation=robust_aggregation, clip_radius=100.0,
     )
     first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
@@ -83,11 +86,15 @@ def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation):
             time.sleep(0.2)
 
         threads = [threading.Thread(target=opt.step) for opt in optimizers]
+        started = time.monotonic()
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(timeout=60)
+            thread.join(timeout=60 + 2 * matchmaking_time)
+        took = time.monotonic() - started
         assert [opt.local_epoch for opt in optimizers] == [1] * peers
+        if matchmaking_time > 10:
+            assert took < matchmaking_time / 2, f"the step took {took:.1f} s: its group waited for the window to end"
 
         for model in models:
             for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):

@@ -187,20 +187,23 @@ class LastingStateOffer(hivemind.averaging.averager.DecentralizedAverager):
 
 
 class GroupClosesWhenFull(hivemind.averaging.averager.DecentralizedAverager):
-    """A DecentralizedAverager told, before each round, how many peers its group can hold at most (the peers training
-    in the swarm now, or fewer): its leader starts the all-reduce as soon as that many have joined. Without a target
-    group size, hivemind's leader waits out the whole matchmaking window (min_matchmaking_time, and longer for a group
-    looked for ahead) however soon every peer of the swarm has joined, and a round takes at least that long: two demo
-    peers spent 23% of their time in rounds with the window, 14% with a group that closed when full."""
+    """A DecentralizedAverager told, before each round, how many peers train in the swarm now (the progress records):
+    its leader starts the all-reduce as soon as that many have joined its group, or the run's group size G if smaller.
+    Without a target group size, hivemind's leader waits out the whole matchmaking window (min_matchmaking_time, and
+    longer for a group looked for ahead) however soon every peer of the swarm has joined, and a round takes at least
+    that long: two demo peers spent 23% of their time in rounds with the window, 14% with a group that closed when
+    full. A peer the records do not show yet (a joiner) may find a group already full, and misses that round."""
 
-    def expect_group_of(self, size: Optional[int]) -> None:
-        """Close each group once it holds `size` peers (None: at the end of the matchmaking window), from this averager's
-        next search for a group on: the pipe carries the commands in order, so a step sent after this sees it."""
-        if size != getattr(self, "_expected_group_size", "unset"):
+    def expect_peers(self, peers: int) -> None:
+        """Close this averager's next groups once they hold `peers` peers (at least 2), or G: the pipe carries the
+        commands in order, so a step sent after this sees it."""
+        limit = self.matchmaking_kwargs.get("target_group_size")
+        size = max(2, peers) if limit is None else min(limit, max(2, peers))
+        if size != getattr(self, "_expected_group_size", None):
             self._expected_group_size = size
             self._outer_pipe.send(("_expect_group_of", [], dict(size=size)))
 
-    async def _expect_group_of(self, size: Optional[int]) -> None:
+    async def _expect_group_of(self, size: int) -> None:
         self._matchmaking.target_group_size = size  # hivemind's leader reads it at each join request
 
 
@@ -265,8 +268,10 @@ def _warn_refused(caller: PeerID) -> None:
 
 
 def _missing_mixins(averager_class: type) -> tuple[type, ...]:
-    """The mixins every averager of ours has (MembersOnly, JoinsStateServer) that `averager_class` lacks."""
-    return tuple(mixin for mixin in (MembersOnly, JoinsStateServer) if not issubclass(averager_class, mixin))
+    """The mixins every averager of ours has (MembersOnly, JoinsStateServer, GroupClosesWhenFull) that
+    `averager_class` lacks."""
+    return tuple(mixin for mixin in (MembersOnly, JoinsStateServer, GroupClosesWhenFull)
+                 if not issubclass(averager_class, mixin))
 
 
 def _subclass_under_its_name(maker: str, averager_class: type, mixins: tuple[type, ...]) -> type:
@@ -286,13 +291,13 @@ def robust_averager_class(averager_class: type) -> type:
 
 @functools.cache
 def members_only_class(averager_class: type) -> type:
-    """`averager_class` (a DecentralizedAverager subclass) with the mixins every averager of ours has (MembersOnly,
-    JoinsStateServer) mixed in, under its name (RPC); itself when it has them."""
+    """`averager_class` (a DecentralizedAverager subclass) with the mixins every averager of ours has
+    (_missing_mixins) mixed in, under its name (RPC); itself when it has them."""
     mixins = _missing_mixins(averager_class)
     return _subclass_under_its_name("members_only_class", averager_class, mixins) if mixins else averager_class
 
 
-class BoundedDownloads(MembersOnly, JoinsStateServer, LastingStateOffer):
+class BoundedDownloads(MembersOnly, JoinsStateServer, LastingStateOffer, GroupClosesWhenFull):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
     process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
     beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than

@@ -92,13 +92,21 @@ class PatchedOptimizer(hivemind.Optimizer):
     # cancels it at the step, but the cancelled round keeps the averager's matchmaking busy, and the real rounds queue
     # behind it ("Another look_for_group is already in progress") and time out: peers that started alone then missed
     # round after round together. Alone, there is nothing to schedule.
+    # Before any search for a group: it closes once it holds every peer of the progress records (GroupClosesWhenFull).
     def _maybe_schedule_gradient_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
+            self.grad_averager.expect_peers(self.tracker.global_progress.num_peers)
             super()._maybe_schedule_gradient_averaging()
 
     def _maybe_schedule_state_averaging(self) -> None:
         if self.tracker.global_progress.num_peers > 1:
+            self.state_averager.expect_peers(self.tracker.global_progress.num_peers)
             super()._maybe_schedule_state_averaging()
+
+    def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        if self.grad_averager is not None:
+            self.grad_averager.expect_peers(self.tracker.global_progress.num_peers)
+        return super()._begin_averaging_gradients(grad_scaler)
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         super()._average_gradients_and_load_into_optimizer(maybe_step_control)
