@@ -106,8 +106,8 @@ class SwarmConfig:
     # each round. None: one group of everyone who is averaging. Applies to every averaging round of either mode.
     target_group_size: Optional[int] = None
     # diloco: a round's matchmaking and all-reduce run in the background while each peer takes the next round's inner
-    # steps, and its result lands as a correction (hivetrain.overlapped_round.RoundInFlight); a peer waits for a round only when
-    # it has taken H more inner steps before the round finished. False: each round stops the inner steps until done.
+    # steps, and its result lands as a correction (hivetrain.overlapped_round.RoundInFlight); a peer waits for a round
+    # only when it has taken H more inner steps before the round finished. False: each round stops the inner steps until done.
     # Off by default until the convergence suite shows overlapped rounds within 1 point of DDP (logbook/benchmarks.md:
     # at H = 8 on the demo preset they were 0.7 points behind blocking rounds, and both behind DDP).
     overlap_rounds: bool = False

@@ -57,8 +57,8 @@ __all__ = [
     "hivemind_log_handler", "is_averager_cut_short", "HookedProgressTracker", "SIGNATURE_RE", "SIGNED_SUBKEY_RE",
     "announce_and_count_peers", "identity_key", "other_training_peers", "progress_subkey", "rsa_key_from_der",
     "sign_records_with", "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
-    "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies", "RobustAllReduceRunner",
-    "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "STATE_SERVER_JOIN_TIMEOUT",
+    "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
+    "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "STATE_SERVER_JOIN_TIMEOUT",
     "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "wait_unless_left_alone",
     "PatchedOptimizer", "catch_up_schedule",
 ]
