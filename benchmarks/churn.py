@@ -35,6 +35,7 @@ GAP_S = (20.0, 40.0)  # seconds between two churn events, uniformly: one every 3
 SMOKE_GAP_S = (5.0, 10.0)  # a smoke run's first event comes early: the run is over soon after it
 SEED = 15
 POLL_S = 0.25  # how often the DHT reader looks at the progress records
+JOIN_WAIT_S = 180.0  # seconds after the churn window to wait for the last joiners' first steps
 
 
 class CountWatch(threading.Thread):
@@ -189,7 +190,9 @@ def churn_suite(work: Path, smoke: bool) -> dict:
             computed = left[0]["samples"] if left else row.samples if row is not None else 0
             applied = max((e["samples"] for e in victim.events("epoch")), default=0)
             try:
-                first_step = joiner.wait_for_event("first_step", timeout=60)["time"] - joiner.started
+                # a joiner's start-up takes tens of CPU seconds on cores the others keep busy: 66-68 s to its first
+                # step in a smoke run here on a slow day, past a 60 s wait, and the row had no join at all
+                first_step = joiner.wait_for_event("first_step", timeout=JOIN_WAIT_S)["time"] - joiner.started
                 state_loaded = joiner.event("state_loaded")["time"] - joiner.started
                 join_cpu = joiner.cpu_seconds(joiner.started + first_step)
             except RuntimeError:  # killed later in the churn before its first step, or still loading at the end
