@@ -39,7 +39,8 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
     # downloads each state from them, so they must still be there (on this preset they are far faster than it).
     run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2"], [],
-              timeout=900, until=lambda: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
+              timeout=900,
+              until=lambda _peers: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
     # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
@@ -55,7 +56,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
             run_swarm(work, label, 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
                                        overlap, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
                                        *diloco_schedule_flags(config, peers=2)], ["--seed", f"{10 * seed}{{index}}"],
-                      timeout=900, until=lambda: validated_epoch(work / label / "metrics.sqlite") >= rounds)
+                      timeout=900, until=lambda _peers: validated_epoch(work / label / "metrics.sqlite") >= rounds)
             with MetricsReader(work / label / "metrics.sqlite") as store:
                 seeds.setdefault(name, []).append([(row.epoch * round_samples, row.top1)
                                                    for row in store.validations()])
@@ -69,7 +70,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
                "--inner-steps", str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
                *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
               timeout=900,
-              until=lambda: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
+              until=lambda _peers: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
     with MetricsReader(work / "conv-diloco-grouped" / "metrics.sqlite") as store:
         curves["diloco-grouped"] = [(row.epoch * grouped_round_samples, row.top1) for row in store.validations()]
     for name, curve in curves.items():

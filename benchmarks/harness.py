@@ -270,6 +270,15 @@ def validated_epoch(store: Path) -> int:
         return -1
 
 
+def trained_together(peers: list[Process], epochs: int) -> bool:
+    """Whether every peer has reached `epochs` swarm epochs since the last of them started training: enough for
+    swarm_window (run_swarm's `until`, where a window in seconds could hold too few on a slow machine)."""
+    if not all(peer.events("training_started") for peer in peers):
+        return False
+    started = max(peer.event("training_started")["time"] for peer in peers)
+    return all(sum(event["time"] >= started for event in peer.events("epoch")) >= epochs for peer in peers)
+
+
 def swarm_window(coordinator: Process, peers: list[Process]) -> dict:
     """Samples/s of a swarm while all its peers train: from each peer's epoch events (its cumulative samples) between
     the moment the last peer started training and the moment the first one stopped reaching epochs; each peer's share
@@ -303,11 +312,11 @@ def swarm_window(coordinator: Process, peers: list[Process]) -> dict:
 
 
 def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str], peer_options: list[str],
-              timeout: float, preset: str = "demo", until: Optional[Callable[[], bool]] = None,
+              timeout: float, preset: str = "demo", until: Optional[Callable[[list[Process]], bool]] = None,
               network=None, programs: Optional[dict[int, list[str]]] = None) -> tuple[Process, list[Process]]:
     """A coordinator and `peers` peers (one torch thread each, waiting for each other) that train until
     `peer_options` make them leave ("{index}" in an option becomes the peer's index), or, with `until`, until it
-    holds (the peers are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
+    holds for the running peers (they are then stopped as a volunteer stops one, by SIGTERM); returns the stopped
     roles, their output kept. With `network` (benchmarks.netns.LinkedNamespaces), the coordinator and peer 0 run in
     its namespace a and peer 1 in b, so that everything between the two peers crosses its link. `programs`: by peer
     index, what runs in place of peers/join.py (benchmarks.harness.start_peer)."""
@@ -330,7 +339,7 @@ def run_swarm(work: Path, name: str, peers: int, coordinator_options: list[str],
                 prefix=[] if network is None else network.exec_prefix(side),
                 program=(programs or {}).get(index, ("peers/join.py",))))
         deadline = time.monotonic() + timeout
-        while until is not None and not until():
+        while until is not None and not until(roles[1:]):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not get where it should within {timeout:.0f} s; see {work}")
             if any(peer.popen.poll() is not None for peer in roles[1:]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.harness import run_baseline, run_swarm, swarm_window
+from benchmarks.harness import run_baseline, run_swarm, swarm_window, trained_together
 from benchmarks.report import measured_by, verdict
 
 
@@ -41,7 +41,6 @@ def throughput_suite(work: Path, smoke: bool) -> dict:
           flush=True)
     swarms = []
     for setting in THROUGHPUT_SWARMS[:1] if smoke else THROUGHPUT_SWARMS:
-        seconds = 20 if smoke else setting["seconds"]  # a smoke run: a few epochs of each peer
         if setting["mode"] == "diloco":
             name, options = f"swarm-diloco-h{setting['inner_steps']}", ["--mode", "diloco", "--inner-steps",
                                                                           str(setting["inner_steps"])]
@@ -49,9 +48,12 @@ def throughput_suite(work: Path, smoke: bool) -> dict:
             name = f"swarm-{setting['multiple']}x-state{setting['state_every']}"
             options = ["--target-batch-size", str(setting["multiple"] * batch), "--average-state-every",
                        str(setting["state_every"])]
-        coordinator, peers = run_swarm(work, name, 2, options, ["--batch-size", str(batch), "--max-time",
-                                                                 f"{seconds / 60:.4f}"], timeout=seconds + 180,
-                                       preset=THROUGHPUT_PRESET)
+        if smoke:  # until each peer has three epochs beside the other's, however slow this machine is today
+            leave, until, timeout = [], lambda peers: trained_together(peers, 3), 600
+        else:
+            leave, until, timeout = ["--max-time", f"{setting['seconds'] / 60:.4f}"], None, setting["seconds"] + 180
+        coordinator, peers = run_swarm(work, name, 2, options, ["--batch-size", str(batch), *leave], timeout=timeout,
+                                       preset=THROUGHPUT_PRESET, until=until)
         result = swarm_window(coordinator, peers)
         result.update(setting, target_batch_size=setting.get("multiple", 0) * batch,
                       average_state_every=setting.get("state_every"))
