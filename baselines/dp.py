@@ -1,7 +1,7 @@
 """torch.nn.DataParallel: one process drives all GPUs of a node, splitting every batch across them.
 
 Lightning 2.x removed its DP strategy, so this is a small training loop of its own around the same model, optimizer,
-schedule and data as the other strategies (hivetrain.model, hivetrain.module.make_optimizer, the data module) and the
+schedule and data as the other strategies (hivetrain.model, hivetrain.optimizer.make_optimizer, the data module) and the
 same measurements. DataParallel replicates the model onto every GPU at each forward and gathers outputs on the first
 GPU: it is the baseline that shows why DDP exists, not a recommended way to train.
 """
@@ -21,7 +21,7 @@ from hivetrain.config import RunConfig
 from hivetrain.data import ImageDataModule
 from hivetrain.evaluate import evaluate
 from hivetrain.model import autocast_dtype, create_model, save_weights
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.records import ValidationPoint
 
 

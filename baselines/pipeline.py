@@ -3,7 +3,7 @@ under torch.distributed.pipelining's 1F1B or GPipe schedule.
 
 Stage 0 also runs the patch embedding (with the class token and position embedding), the last stage the final norm
 and the head. Lightning has no pipeline strategy, so this is a small training loop of its own around the same model,
-optimizer, schedule and data as the other strategies (hivetrain.model, hivetrain.module.make_optimizer, the data
+optimizer, schedule and data as the other strategies (hivetrain.model, hivetrain.optimizer.make_optimizer, the data
 module); its processes are started like DDP's, by Lightning's launcher (Fabric), which also reads torchrun, SLURM and
 MASTER_ADDR/NODE_RANK. Every rank reads the same batches in the same order: stage 0 uses the images, the last stage
 the labels.
@@ -28,7 +28,7 @@ from hivetrain.config import RunConfig
 from hivetrain.data import ImageDataModule
 from hivetrain.evaluate import score
 from hivetrain.model import autocast_dtype, create_model, save_weights
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.records import PipelineLayout, Sharding, ValidationPoint
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}

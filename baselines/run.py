@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = _command_line(argv)
     from hivetrain.batch_size import BatchSearchError
-    from hivetrain.data import DatasetUnavailable
+    from hivetrain.datasets import DatasetUnavailable
     from hivetrain.model import PretrainedWeightsUnavailable
 
     try:
@@ -371,7 +371,8 @@ def _datamodule(args: argparse.Namespace, config, num_workers: int, pin_memory: 
     batches in page-locked memory (for CUDA)."""
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-    from hivetrain.data import DEFAULT_DATA_DIR, ImageDataModule
+    from hivetrain.data import ImageDataModule
+    from hivetrain.datasets import DEFAULT_DATA_DIR
 
     class StoredOrder(ImageDataModule):
         # Lightning's own DistributedSampler always shuffles training data, so with --no-shuffle the Trainer gets

@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     from hivetrain.config import get_preset
     from hivetrain.model import autocast_dtype, create_model
-    from hivetrain.module import make_optimizer
+    from hivetrain.optimizer import make_optimizer
 
     device = torch.device(args.device)
     config = get_preset(PRESET)

@@ -225,7 +225,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     from hivetrain.synthetic_data import SyntheticCifar10
     from hivetrain.config import get_preset
     from hivetrain.model import autocast_dtype, create_model
-    from hivetrain.module import make_optimizer
+    from hivetrain.optimizer import make_optimizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

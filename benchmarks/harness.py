@@ -384,16 +384,15 @@ def evaluate_weights(paths: list[Path]) -> list[float]:
     import dataclasses
 
     from hivetrain.config import get_preset
-    from hivetrain.data import make_datamodule
+    from hivetrain.datasets import validation_loader
     from hivetrain.evaluate import evaluate
     from hivetrain.model import create_model, load_weights
 
     config = get_preset("demo")
-    data = make_datamodule(config)
-    data.setup()
+    loader = validation_loader(config)
     model = create_model(dataclasses.replace(config.model, pretrained=False))
     top1 = []
     for path in paths:
         load_weights(path, model)
-        top1.append(evaluate(model, data.val_dataloader())["top1"])
+        top1.append(evaluate(model, loader)["top1"])
     return top1

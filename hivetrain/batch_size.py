@@ -347,7 +347,7 @@ def _trial(args: argparse.Namespace) -> int:
 
     from hivetrain.config import RunConfig
     from hivetrain.model import autocast_dtype, create_model
-    from hivetrain.module import make_optimizer
+    from hivetrain.optimizer import make_optimizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

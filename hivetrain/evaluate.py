@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here, not at the top: `from hivetrain.evaluate import evaluate` stays free of boto3 and Lightning.
     from hivetrain.checkpoint import CheckpointError
     from hivetrain.checkpoint_location import load_checkpoint
-    from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.datasets import DatasetUnavailable, validation_loader
 
     parser = argparse.ArgumentParser(prog="python -m hivetrain.evaluate", description=main.__doc__)
     parser.add_argument("--checkpoint", required=True,
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checkpoint = load_checkpoint(args.checkpoint, endpoint_url=args.s3_endpoint_url)
         model = checkpoint.build_model()
-        data = make_datamodule(checkpoint.config, args.data_dir, batch_size=args.batch_size, val_limit=args.val_limit)
-        metrics = evaluate(model, data.val_dataloader())
+        metrics = evaluate(model, validation_loader(checkpoint.config, args.data_dir, batch_size=args.batch_size,
+                                                    val_limit=args.val_limit))
     except NoCredentialsError:
         print("error: no AWS credentials for S3: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use "
               "~/.aws/credentials (AWS_PROFILE), or an instance profile", file=sys.stderr)

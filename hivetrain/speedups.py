@@ -3,7 +3,7 @@ every role turns on the same things and every run record and peer event says whi
 
 - tf32: fp32 matmuls on TensorFloat-32 tensor cores (CUDA cards of compute capability 8.0 and up, precision 32 only;
   the mixed precisions already compute in bf16/fp16).
-- fused_adamw: AdamW's single fused CUDA kernel instead of a loop of per-tensor ops (hivetrain.module.make_optimizer
+- fused_adamw: AdamW's single fused CUDA kernel instead of a loop of per-tensor ops (hivetrain.optimizer.make_optimizer
   fuses whenever the parameters are on CUDA).
 - pinned_memory: DataLoader batches in page-locked memory, so the copy to the GPU can overlap compute (Lightning's
   batch transfer passes non_blocking=True for every device but the CPU and MPS).

@@ -25,7 +25,7 @@ from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate
 from hivetrain.evaluate import main as evaluate_main
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.s3_store import MiB, S3CheckpointStore, S3Options
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate
 from hivetrain.metrics_store import MetricsReader, SwarmSnapshot
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.roles.peers.progress import parameter_digest
 
 CONFIG = get_preset("demo").replace(run_id="resume-test")

@@ -13,7 +13,8 @@ from s3server import free_ports
 from hivetrain.config import PRESETS, RunConfig, get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.model import PretrainedWeightsUnavailable, create_model
-from hivetrain.module import ImageClassifier, warmup_cosine
+from hivetrain.module import ImageClassifier
+from hivetrain.optimizer import warmup_cosine
 from hivetrain.strategy import HivemindStrategy
 from hivetrain.swarm_options import HivemindOptions
 from hivetrain.swarm import DHTOptions

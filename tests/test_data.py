@@ -12,9 +12,10 @@ import pytest
 import torch
 import torchvision
 
-from hivetrain import data
+from hivetrain import datasets
 from hivetrain.config import DataConfig, get_preset
-from hivetrain.data import DatasetUnavailable, make_datamodule
+from hivetrain.data import make_datamodule
+from hivetrain.datasets import DatasetUnavailable
 
 DEMO = get_preset("demo")
 
@@ -41,7 +42,7 @@ def test_digits_read_directly_equal_sklearns():
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    (x_train, y_train), (x_val, y_val) = data.load_digits_split(8)
+    (x_train, y_train), (x_val, y_val) = datasets.load_digits_split(8)
     perm = np.random.RandomState(0).permutation(len(digits.target))
     expected = torch.tensor(digits.images, dtype=torch.float32).div(16).unsqueeze(1)[perm]
     assert torch.equal(torch.cat([x_val, x_train]), expected)
@@ -49,9 +50,9 @@ def test_digits_read_directly_equal_sklearns():
 
 
 def test_digits_without_sklearn_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DatasetUnavailable, match="pip install scikit-learn"):
-        data.load_digits_split(8)
+        datasets.load_digits_split(8)
 
 
 def test_digits_split_is_deterministic():
@@ -101,11 +102,11 @@ CIFAR = DEMO.replace(data=DataConfig("cifar10"), model=dataclasses.replace(DEMO.
 
 
 def _write_cifar(root: Path, per_batch: int = 4, str_keys: bool = False) -> Path:
-    folder = root / data.CIFAR_FOLDER
+    folder = root / datasets.CIFAR_FOLDER
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
     key = (lambda k: k) if str_keys else (lambda k: k.encode())
-    for i, name in enumerate([*data.CIFAR_TRAIN_FILES, "test_batch"]):
+    for i, name in enumerate([*datasets.CIFAR_TRAIN_FILES, "test_batch"]):
         batch = {key("data"): rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
                  key("labels"): [(i + j) % 10 for j in range(per_batch)], key("batch_label"): name}
         (folder / name).write_bytes(pickle.dumps(batch))
@@ -195,12 +196,12 @@ FASHION = DEMO.replace(data=DataConfig("fashion-mnist"))
 
 
 def test_fashion_from_debian_package(tmp_path):
-    if not all((data.DEBIAN_FASHION_DIR / f"{n}.gz").is_file() for n in data.FASHION_FILES):
-        pytest.fail(f"Fashion-MNIST is not in {data.DEBIAN_FASHION_DIR}: run `apt-get install dataset-fashion-mnist`")
+    if not all((datasets.DEBIAN_FASHION_DIR / f"{n}.gz").is_file() for n in datasets.FASHION_FILES):
+        pytest.fail(f"Fashion-MNIST is not in {datasets.DEBIAN_FASHION_DIR}: run `apt-get install dataset-fashion-mnist`")
     dm = make_datamodule(FASHION, data_dir=tmp_path, batch_size=8)
     dm.setup()
     assert (dm.num_train, dm.num_val) == (60000, 10000)
-    assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == sorted(data.FASHION_FILES)
+    assert sorted(p.name for p in (tmp_path / "FashionMNIST" / "raw").iterdir()) == sorted(datasets.FASHION_FILES)
     x, y = _first_batch(dm)
     assert x.shape == (8, 3, 32, 32) and y.dtype == torch.int64
     assert torch.equal(x[:, 0], x[:, 1])  # grayscale replicated
@@ -210,7 +211,7 @@ def test_fashion_from_debian_package(tmp_path):
 
 
 def test_fashion_missing_everywhere(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "DEBIAN_FASHION_DIR", tmp_path / "no-debian")
+    monkeypatch.setattr(datasets, "DEBIAN_FASHION_DIR", tmp_path / "no-debian")
     with pytest.raises(DatasetUnavailable, match="--data-dir") as err:
         make_datamodule(FASHION, data_dir=tmp_path / "empty").setup()
     assert "apt-get install dataset-fashion-mnist" in str(err.value)

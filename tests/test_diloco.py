@@ -15,7 +15,7 @@ from hivetrain.diloco import DiLoCoRounds, RoundTracker, next_round_time
 from hivetrain.digests import tensors_digest
 from hivetrain.hivemind_internals.records import announce_and_count_peers, progress_subkey
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.swarm import DHTOptions, read_records, read_records_beside_own, start_dht
 
 CONFIG = get_preset("demo")

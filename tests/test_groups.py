@@ -9,7 +9,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.swarm_optimizer import wrap_optimizer
 from hivetrain.swarm_options import HivemindOptions
 from hivetrain.swarm import DHTOptions, start_dht

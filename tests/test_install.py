@@ -41,3 +41,16 @@ def test_a_role_without_its_extra_says_what_to_install(module, args, extra):
     assert result.stderr.strip().endswith(f"not installed here: pip install -e '.[{extra}]' in a clone, or"
                                           f" 'hivetrain[{extra}] @ WHEEL_OR_GIT_ADDRESS'"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_coordinator_starts_without_lightning(spawn, tmp_path):
+    """The coordinator validates and holds the swarm's state with plain torch (hivetrain.datasets, hivetrain.optimizer):
+    Lightning and the torchmetrics it imports whole, seconds of CPU at every start, stay out of it. Python lists every
+    module a process imports when PYTHONPROFILEIMPORTTIME is set."""
+    coordinator = spawn("coordinator", "coordinator/start.py", "--preset", "demo", "--host", "127.0.0.1", "--port",
+                        "0", "--identity", str(tmp_path / "coordinator.key"), "--log-dir", str(tmp_path / "run"),
+                        "--validate-every", "1", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    coordinator.wait_for(r"peers/join.py --initial-peers", timeout=90)
+    imported = {line.rpartition("|")[2].strip() for line in coordinator.lines if line.startswith("import time:")}
+    assert {"torch", "timm", "hivemind", "hivetrain.datasets", "hivetrain.optimizer"} <= imported  # the whole list
+    assert not {name for name in imported if name.split(".")[0] in ("lightning", "pytorch_lightning", "torchmetrics")}

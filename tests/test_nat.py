@@ -16,7 +16,7 @@ from conftest import same_parameters, start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.roles.coordinator.relay import IDLE_LOOK_EVERY, GradientRelay, newest_epoch_samples
 from hivetrain.swarm_optimizer import optimizer_recipe
 from benchmarks.netns import NattedNamespace

@@ -19,7 +19,7 @@ from test_wandb import read_wandb_run
 from baselines.pipeline import PipelineTrainer
 from hivetrain.config import get_preset
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.records import read_record
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hivetrain.config import get_preset
 from hivetrain.model import create_model
-from hivetrain.module import ImageClassifier, make_optimizer
+from hivetrain.module import ImageClassifier
+from hivetrain.optimizer import make_optimizer
 from hivetrain.records import RunRecord, read_record
 from hivetrain.speedups import FiniteSteps, all_finite, apply_tf32, inner_loop_speedups
 from hivetrain.swarm_optimizer import _fused_on_cuda_only, optimizer_recipe

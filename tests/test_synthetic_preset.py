@@ -12,7 +12,8 @@ import torch
 
 from hivetrain.roles.coordinator.start import parse_args as coordinator_args
 from hivetrain.config import DATASETS, RunConfig, get_preset
-from hivetrain.data import DATASET_STATS, make_datamodule
+from hivetrain.data import make_datamodule
+from hivetrain.pixels import DATASET_STATS
 from hivetrain.model import create_model
 from hivetrain.module import ImageClassifier
 from hivetrain.synthetic_data import TRAIN_SAMPLES, VAL_SAMPLES

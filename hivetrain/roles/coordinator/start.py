@@ -253,7 +253,7 @@ def _run(args: argparse.Namespace) -> int:
     from hivetrain.checkpoint import CheckpointError
     from hivetrain.checkpoint_location import load_checkpoint, open_store
     from hivetrain.model import choose_device
-    from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.datasets import DatasetUnavailable, validation_loader
     from hivetrain.metrics_store import MetricsWriter, StoreError
     from hivemind.utils.crypto import RSAPrivateKey
 
@@ -290,10 +290,7 @@ def _run(args: argparse.Namespace) -> int:
         resources.append(writer)
         loader = None
         if args.validate_every:
-            data = make_datamodule(config, args.data_dir, val_limit=args.val_limit)
-            data.prepare_data()
-            data.setup()
-            loader = data.val_dataloader()
+            loader = validation_loader(config, args.data_dir, val_limit=args.val_limit)
         checkpoints = open_store(args.checkpoint_store or log_dir / "checkpoints", keep_last=args.keep_last,
                                  endpoint_url=args.s3_endpoint_url)
         resources.append(checkpoints)

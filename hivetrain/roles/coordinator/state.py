@@ -25,7 +25,7 @@ from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, BoundedStateAve
                                           named_for_rpc_as)
 from hivetrain.events import EventLog
 from hivetrain.model import create_model
-from hivetrain.module import make_optimizer
+from hivetrain.optimizer import make_optimizer
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.robust import RobustAggregation
 from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe

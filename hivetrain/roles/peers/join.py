@@ -314,7 +314,8 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     import torch
 
     from hivetrain.batch_size import BatchChoice, BatchSearchError
-    from hivetrain.data import DatasetUnavailable, make_datamodule
+    from hivetrain.data import make_datamodule
+    from hivetrain.datasets import DatasetUnavailable
     from hivetrain.diloco import rounds_description
     from hivetrain.events import EventLog
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
