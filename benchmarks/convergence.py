@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.harness import run_baseline, run_swarm, validated_epoch
+from benchmarks.harness import run_baseline, run_swarm, samples_trained_by, validated_epoch
 from benchmarks.report import measured_by, verdict
 
 
@@ -38,13 +38,17 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     swarm_epochs = single["train_samples"] // global_batch
     # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
     # downloads each state from them, so they must still be there (on this preset they are far faster than it).
-    run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2"], [],
-              timeout=900,
-              until=lambda _peers: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
+    # A swarm's validation of epoch e is plotted at the samples its peers had trained by the time they reached it
+    # (their own counts): diloco's rounds hold more than H steps per peer where overlapped (the steps taken while a
+    # round is in flight go into the next), and a sync epoch may take a little more than the target batch.
+    _, peers = run_swarm(work, "conv-swarm", 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2"], [],
+                         timeout=900,
+                         until=lambda _peers: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
-        curves["swarm"] = [(row.epoch * global_batch, row.top1) for row in store.validations()]
-    # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so round r has seen about
-    # r x H x batch x 2 samples, with the others' learning rate at the same samples seen. Overlapped rounds (the
+        curves["swarm"] = [(samples_trained_by(peers, row.epoch), row.top1) for row in store.validations()]
+    # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so the peers train until the
+    # round whose nominal r x H x batch x 2 samples reach a pass over the data, with the others' learning rate at the
+    # same samples seen (the curves count what the peers really trained). Overlapped rounds (the
     # default) and blocking ones, each with CONVERGENCE_SEEDS data orders (the peers' --seed): their curves are the
     # first seed's, and the verdict takes the mean over the seeds of the last validation by DDP's final samples.
     round_samples = CONVERGENCE_INNER_STEPS * batch * 2
@@ -53,29 +57,31 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     for name, overlap in (("diloco", "--overlap-rounds"), ("diloco-blocking", "--no-overlap-rounds")):
         for seed in range(1 if smoke else CONVERGENCE_SEEDS):
             label = f"conv-{name}-{seed}"
-            run_swarm(work, label, 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
-                                       overlap, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
-                                       *diloco_schedule_flags(config, peers=2)], ["--seed", f"{10 * seed}{{index}}"],
-                      timeout=900, until=lambda _peers: validated_epoch(work / label / "metrics.sqlite") >= rounds)
+            _, peers = run_swarm(
+                work, label, 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
+                                 overlap, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
+                                 *diloco_schedule_flags(config, peers=2)], ["--seed", f"{10 * seed}{{index}}"],
+                timeout=900, until=lambda _peers: validated_epoch(work / label / "metrics.sqlite") >= rounds)
             with MetricsReader(work / label / "metrics.sqlite") as store:
-                seeds.setdefault(name, []).append([(row.epoch * round_samples, row.top1)
+                seeds.setdefault(name, []).append([(samples_trained_by(peers, row.epoch), row.top1)
                                                    for row in store.validations()])
         curves[name] = seeds[name][0]
     # The same in groups: more peers, each still taking H steps per round, and the schedule stretched for them, so the
     # learning rate is again the others' at the same samples seen. The coordinator validates one peer's parameters.
     grouped_round_samples = CONVERGENCE_INNER_STEPS * batch * CONVERGENCE_GROUPED_PEERS
     grouped_rounds = max(1, single["train_samples"] // grouped_round_samples)
-    run_swarm(work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
+    _, peers = run_swarm(work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
               ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--overlap-rounds",
                "--inner-steps", str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
                *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
               timeout=900,
               until=lambda _peers: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
     with MetricsReader(work / "conv-diloco-grouped" / "metrics.sqlite") as store:
-        curves["diloco-grouped"] = [(row.epoch * grouped_round_samples, row.top1) for row in store.validations()]
+        curves["diloco-grouped"] = [(samples_trained_by(peers, row.epoch), row.top1) for row in store.validations()]
     for name, curve in curves.items():
         print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
     return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
+                swarm_samples="trained",  # the peers' own counts (records before: nominal, epochs x samples per epoch)
                 seed_curves=seeds,
                 grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
@@ -111,6 +117,7 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
     rows = "".join(f"| {samples} | {top1:.3f} | {at(curves['DDP'], samples)} | "
                    + " | ".join(at(curves[name], samples) for name in swarms) + " |\n"
                    for samples, top1 in curves["single"])
+    counted = result.get("swarm_samples") == "trained"
     diloco = ""
     if "diloco" in curves:
         final_samples, final_ddp = curves["DDP"][-1]
@@ -118,8 +125,10 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
         gap = final_ddp - float(reached) if reached else None
         diloco = (f" diloco: 2 peers, {result['inner_steps']} inner steps of 32 per round; its schedule counts a"
                   " peer's inner steps, so warmup and total steps are the preset's times target batch / (2 x 32), the"
-                  f" same learning rate at the same samples seen; round r is plotted at r x {result['inner_steps']} x 32"
-                  " x 2 samples." + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do"
+                  " same learning rate at the same samples seen; "
+                  + ("a validation is plotted at the samples the peers had trained by the round it validates (their"
+                     f" own counts), not at r x {result['inner_steps']} x 32 x 2 for round r." if counted else
+                     f"round r is plotted at r x {result['inner_steps']} x 32 x 2 samples.") + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do"
                                      " diloco-grouped's; diloco-blocking stops them for each round"
                                      " (`--no-overlap-rounds`)." if "diloco-blocking" in curves else ""))
         target = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
@@ -145,9 +154,10 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
         grouped = result["grouped"]
         diloco += (f" diloco-grouped: the same with {grouped['peers']} peers averaging in groups of at most"
                    f" {grouped['target_group_size']} (`--target-group-size`), drawn anew each round, its schedule"
-                   f" stretched by target batch / ({grouped['peers']} x 32); round r is plotted at r x"
-                   f" {result['inner_steps']} x 32 x {grouped['peers']} samples, and the coordinator validates the"
-                   " parameters of the one peer it downloads them from.")
+                   f" stretched by target batch / ({grouped['peers']} x 32); "
+                   + ("plotted at the samples its peers had trained, " if counted else
+                      f"round r is plotted at r x {result['inner_steps']} x 32 x {grouped['peers']} samples, ")
+                   + "and the coordinator validates the parameters of the one peer it downloads them from.")
     return (
         "## convergence\n\n"
         f"{measured_by(env)} The `{result['preset']}` preset from the same initial weights with the"
@@ -155,7 +165,8 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
         " accumulating 4), DDP (2 processes x 32, accumulating 2) and a swarm of 2 peers (target batch"
         f" {result['global_batch_size']}).{diloco} The baselines validate after each pass over the training data, the"
         " coordinator after each swarm epoch it sees; a swarm's column is its last validation at or before that"
-        " many samples.\n\n"
+        " many samples" + (", counted by its peers (the samples they had trained by the epoch validated)" if counted
+                           else "") + ".\n\n"
         f"![Validation top-1 against samples seen]({plot.name})\n\n"
         f"| samples seen | single | DDP | {' | '.join(swarms)} |\n|---:|---:|---:|{'---:|' * len(swarms)}\n"
         f"{rows}\n"

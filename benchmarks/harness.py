@@ -249,6 +249,13 @@ def start_peer(work: Path, name: str, addresses: list[str], options: list[str], 
                    prefix=prefix, events=work / f"{name}.events", sample_cpu=True, sample_every=cpu_every, echo=echo)
 
 
+def samples_trained_by(peers: list[Process], epoch: int) -> int:
+    """The samples the peers had trained, all together, by the time each reached swarm epoch `epoch` (or its newest
+    epoch before it): the cumulative counts of their epoch events."""
+    return sum(max((event["samples"] for event in peer.events("epoch") if event["epoch"] <= epoch), default=0)
+               for peer in peers)
+
+
 def reached_epoch(peer: Process) -> int:
     """The newest swarm epoch the peer has reached while training (0 before its first)."""
     return max((event["epoch"] for event in peer.events("epoch")), default=0)

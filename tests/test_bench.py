@@ -55,6 +55,11 @@ def test_convergence_suite_smoke():
     assert set(curves) == {"single", "DDP", "swarm", "diloco", "diloco-blocking", "diloco-grouped"}
     for name, curve in curves.items():
         assert curve and curve[-1][1] > 0.2, name  # well above chance (0.1) after one pass over the data
+    # a swarm's samples seen are its peers' own counts by each validated epoch: more with each later validation
+    assert result["swarm_samples"] == "trained" and "counted by its peers" in section
+    for name in ("swarm", "diloco", "diloco-blocking", "diloco-grouped"):
+        samples = [count for count, _ in curves[name]]
+        assert samples == sorted(samples) and samples[-1] > 0, (name, samples)
     assert result["grouped"] == dict(peers=4, target_group_size=2)
     assert "benchmarks-convergence.png" in section
     assert "| samples seen | single | DDP | swarm | diloco | diloco-blocking | diloco-grouped |" in section
