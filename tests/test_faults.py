@@ -71,10 +71,15 @@ def _alone(a: Process, b: Process, cut_at: float, restored_at: float,
     """{epoch: (a's probe, b's)} of the epochs b ended alone that a has ended too, a before or after the link came
     back. b's are those after the epoch in flight at the cut (b had printed `b_epoch`): that one's gradients may have
     been averaged just before the cut and its step and line come seconds later on a loaded machine (seen in CI), while
-    the next one's all-reduce needs local steps taken after that line, so after the cut."""
+    the next one's all-reduce needs local steps taken after that line, so after the cut. And from the first epoch b
+    ends counting itself alone: before it, b may end an epoch whose round failed without a step of its own, on the
+    state of the round in flight at the cut, which the coordinator holds too and a may load (seen here: b's epoch 9
+    and a's, both that state, two epochs after b's last line before the cut)."""
     a_probes = _probes(a, cut_at)
+    alone_from = min((epoch for t, epoch, peers in _epochs(b, since=cut_at) if peers == 1 and t <= restored_at),
+                     default=math.inf)
     return {epoch: (a_probes[epoch], probe) for epoch, probe in _probes(b, cut_at, until=restored_at).items()
-            if epoch > b_epoch + 1 and epoch in a_probes}
+            if epoch > b_epoch + 1 and epoch >= alone_from and epoch in a_probes}
 
 
 def _rejoined(a: Process, b: Process, cut_at: float, restored_at: float,
