@@ -372,7 +372,7 @@ def _datamodule(args: argparse.Namespace, config, num_workers: int, pin_memory: 
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
     from hivetrain.data import ImageDataModule
-    from hivetrain.datasets import DEFAULT_DATA_DIR
+    from hivetrain.datasets import data_root
 
     class StoredOrder(ImageDataModule):
         # Lightning's own DistributedSampler always shuffles training data, so with --no-shuffle the Trainer gets
@@ -395,7 +395,7 @@ def _datamodule(args: argparse.Namespace, config, num_workers: int, pin_memory: 
             self.setup()
             return self._loader(self.val_set, drop_last=False)
 
-    data_dir = Path(args.data_dir).expanduser() if args.data_dir else DEFAULT_DATA_DIR
+    data_dir = data_root(args.data_dir or None)
     val_limit = None if args.val_limit in (None, 0) else args.val_limit
     return (StoredOrder if args.no_shuffle else ImageDataModule)(
         config, data_dir, config.batch_size, args.seed, num_workers, val_limit, pin_memory)

@@ -70,12 +70,13 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     # learning rate is again the others' at the same samples seen. The coordinator validates one peer's parameters.
     grouped_round_samples = CONVERGENCE_INNER_STEPS * batch * CONVERGENCE_GROUPED_PEERS
     grouped_rounds = max(1, single["train_samples"] // grouped_round_samples)
-    _, peers = run_swarm(work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
-              ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--overlap-rounds",
-               "--inner-steps", str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
-               *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
-              timeout=900,
-              until=lambda _peers: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
+    _, peers = run_swarm(
+        work, "conv-diloco-grouped", CONVERGENCE_GROUPED_PEERS,
+        ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco", "--overlap-rounds",
+         "--inner-steps", str(CONVERGENCE_INNER_STEPS), "--target-group-size", str(CONVERGENCE_GROUP_SIZE),
+         *diloco_schedule_flags(config, peers=CONVERGENCE_GROUPED_PEERS)], [],
+        timeout=900,
+        until=lambda _peers: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
     with MetricsReader(work / "conv-diloco-grouped" / "metrics.sqlite") as store:
         curves["diloco-grouped"] = [(samples_trained_by(peers, row.epoch), row.top1) for row in store.validations()]
     for name, curve in curves.items():
@@ -128,9 +129,10 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
                   " same learning rate at the same samples seen; "
                   + ("a validation is plotted at the samples the peers had trained by the round it validates (their"
                      f" own counts), not at r x {result['inner_steps']} x 32 x 2 for round r." if counted else
-                     f"round r is plotted at r x {result['inner_steps']} x 32 x 2 samples.") + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do"
-                                     " diloco-grouped's; diloco-blocking stops them for each round"
-                                     " (`--no-overlap-rounds`)." if "diloco-blocking" in curves else ""))
+                     f"round r is plotted at r x {result['inner_steps']} x 32 x 2 samples.")
+                  + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do diloco-grouped's;"
+                     " diloco-blocking stops them for each round (`--no-overlap-rounds`)."
+                     if "diloco-blocking" in curves else ""))
         target = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
         if "seed_curves" in result:  # the mean over seeds, for overlapped and blocking rounds
             target += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds)."
