@@ -4,9 +4,9 @@ others can dial, the join command, and reads of the signed records the roles pub
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import faulthandler
-import gc
 import ipaddress
 import logging
 import os
@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
 
 import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
@@ -229,24 +229,34 @@ def keeping_sigint() -> Iterator[None]:
             signal.signal(signal.SIGINT, handler)
 
 
-def run_role(work: Callable[[], int], farewell: str) -> int:
-    """The main() of a role: log to stderr, leave on SIGTERM or Ctrl-C with `farewell` and exit code 0. SIGUSR1 prints
-    every thread's stack to stderr, in this process and in those it forks (its DHT's, its averagers'): what a role
-    that hangs is waiting for."""
+def run_role(work: Callable[[], int], farewell: str) -> NoReturn:
+    """The main() of a role, which ends its process: log to stderr, leave on SIGTERM or Ctrl-C with `farewell` and
+    exit code 0, else with `work`'s code (`end_process`). SIGUSR1 prints every thread's stack to stderr, in this
+    process and in those it forks (its DHT's, its averagers'): what a role that hangs is waiting for."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning.pytorch").propagate = False  # it prints its own messages already
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     leave_on_sigterm()
     try:
-        return work()
+        code = work()
     except KeyboardInterrupt:
         print(farewell, flush=True)
-        return 0
-    finally:
-        # Exiting: the interpreter's finalization would walk every object of torch, Lightning and hivemind in full
-        # garbage collections (seconds of CPU on a busy machine, before the volunteer's prompt comes back); frozen
-        # objects are left to the exit.
-        gc.freeze()
+        code = 0
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit as the interpreter does, without its finalization. Daemon threads may be inside torch when a role leaves
+    (hivemind's averager serialises this peer's state for a peer downloading it from a thread of the main process):
+    finalization ends such a thread where it takes the GIL back, in a C++ destructor, and the process aborts
+    ("terminate called without an active exception", exit code -6, after the goodbye). It would also walk every
+    object of torch, Lightning and hivemind in full garbage collections (seconds of CPU before the prompt returns).
+    So the interpreter's own first steps run, and then the process ends at once."""
+    threading._shutdown()  # joins the threads that are not daemons, after telling thread pools to stop (stdlib's)
+    atexit._run_exitfuncs()  # multiprocessing ends and joins hivemind's processes; logging flushes its handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def start_dht(options: DHTOptions, while_connecting: Callable[[], None] = lambda: None) -> hivemind.DHT:

@@ -2,6 +2,8 @@
 keep what happened; --verbose (no filter) keeps them."""
 
 import logging
+import subprocess
+import sys
 
 from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import logging as hivemind_logging
@@ -41,3 +43,43 @@ def test_hivemind_events_print_one_line_each():
     # The announcement before a download goes: the line after it says where from and how long it took.
     assert not handler.filter(_record("Downloading parameters from peer QmSomeone"))
     assert handler.filter(_record("Finished downloading state in 0.1s from QmSomeone"))
+
+
+# A role whose daemon thread is inside torch when it leaves (as hivemind's state server can be): the interpreter's
+# finalization aborted such a process after its goodbye, exit code -6 in place of its own.
+ROLE_LEAVING_BUSY = """
+import atexit, sys, threading, time
+from pathlib import Path
+import torch
+from hivetrain.swarm import run_role
+
+matrix = torch.randn(512, 512)
+
+def spin():
+    while True:
+        torch.mm(matrix, matrix)
+
+def finish_writing():
+    time.sleep(0.5)
+    Path(sys.argv[2]).write_text("written")
+
+def work():
+    threading.Thread(target=spin, daemon=True).start()
+    threading.Thread(target=finish_writing).start()  # not a daemon: the exit waits for it
+    atexit.register(print, "exit handlers ran", flush=True)
+    time.sleep(0.2)
+    return int(sys.argv[1])
+
+run_role(work, farewell="Left.")
+"""
+
+
+def test_a_role_leaves_with_its_own_code_while_a_daemon_thread_is_inside_torch(tmp_path):
+    for code in (0, 3, 0):
+        written = tmp_path / f"written-{code}"
+        done = subprocess.run([sys.executable, "-c", ROLE_LEAVING_BUSY, str(code), str(written)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == code, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
+        # what the interpreter's exit does first still happens: threads that are not daemons end, exit handlers run
+        assert written.read_text() == "written" and done.stdout.splitlines() == ["exit handlers ran"]
