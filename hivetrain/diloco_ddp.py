@@ -60,6 +60,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
         self._watch: Optional[CoordinatorWatch] = None  # rank 0, when the coordinator's key is known
         self.last_rollback: Optional[RollbackRecord] = None  # rank 0: the coordinator's last rollback this peer took
         self.rollbacks_taken = 0  # every rank
+        self._took_swarm_state = False  # rank 0: the download at setup took a holder's state (catch_up_with_swarm)
 
     @property
     @override
@@ -96,11 +97,20 @@ class DiLoCoDDPStrategy(DDPStrategy):
     def missed_rounds(self) -> int:
         return self.rounds.missed_rounds if self.rounds is not None else 0
 
-    def load_state_from_peers(self) -> None:
-        """Collective: rank 0 downloads the swarm's outer state, every rank continues from it."""
-        if self.rounds is not None:
-            self.rounds.load_state_from_peers()
+    def load_state_from_peers(self) -> bool:
+        """Collective: rank 0 downloads the swarm's outer state, every rank continues from it; whether a holder
+        served one (rank 0 knows)."""
+        taken = self.rounds.load_state_from_peers() if self.rounds is not None else False
         self._share_outer_state(changed=True, in_optimizer_step=False)
+        return taken
+
+    def catch_up_with_swarm(self) -> None:
+        """Collective: rank 0 says whether the swarm's records are beyond this peer's round or its download at setup
+        found no holder (HivemindStrategy's), and every rank loads the outer state if so."""
+        ahead = self.rounds is not None and (not self._took_swarm_state
+                                             or self.tracker.global_epoch > self.local_epoch)
+        if self._broadcast_ints(int(ahead))[0]:
+            self._took_swarm_state = self.load_state_from_peers()
 
     def announce_and_count_peers(self) -> int:
         """Collective: rank 0 announces this peer and counts the training peers (HivemindStrategy's), every rank
@@ -122,7 +132,7 @@ class DiLoCoDDPStrategy(DDPStrategy):
                 self._watch = CoordinatorWatch(self.dht, self.options.run_id, self.options.coordinator_key)
                 self._watch.bound(self.rounds.tracker, self.rounds.outer)
             logger.info("Loading the swarm's outer state before the first step")
-            self.rounds.load_state_from_peers()
+            self._took_swarm_state = self.rounds.load_state_from_peers()
             logger.info(f"Joined the swarm at outer round {self.rounds.round}")
         self._round = self._broadcast_ints(self.rounds.round if self.rounds is not None else 0)[0]
         super().configure_ddp()

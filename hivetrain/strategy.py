@@ -96,6 +96,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
         self._withdrawn = False  # sync mode: this peer's records are withdrawn (diloco: rounds.withdrawn)
+        self._took_swarm_state = False  # the download at setup took a holder's state (catch_up_with_swarm)
         self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
         self._watch: Optional[CoordinatorWatch] = None
         self.last_rollback: Optional[RollbackRecord] = None  # the coordinator's last rollback this peer took
@@ -139,12 +140,23 @@ class HivemindStrategy(SingleDeviceStrategy):
         swarm = self.rounds or self.optimizer
         return swarm.missed_rounds if swarm is not None else 0
 
-    def load_state_from_peers(self) -> None:
+    def load_state_from_peers(self) -> bool:
+        """Take the swarm's newest state; whether a holder served one."""
         if self.rounds is not None:
-            self.rounds.load_state_from_peers()
+            taken = self.rounds.load_state_from_peers()
             self._follow_swarm_schedule()
-        else:
-            self.optimizer.load_state_from_peers()
+            return taken
+        before = self.optimizer.state_averager.states_taken
+        self.optimizer.load_state_from_peers()
+        return self.optimizer.state_averager.states_taken > before
+
+    def catch_up_with_swarm(self) -> None:
+        """Load the swarm's state if its progress records are beyond this peer's epoch, or the download at setup found
+        no holder (a coordinator resumed from a checkpoint may not have served yet). A peer that took the state at
+        setup and then waited for others holds the swarm's state still unless one of them stepped meanwhile: a second
+        download would bring nothing, at the cost of the model and its optimizer state over the volunteer's link."""
+        if self.tracker is not None and (not self._took_swarm_state or self.tracker.global_epoch > self.local_epoch):
+            self._took_swarm_state = self.load_state_from_peers()
 
     def announce_and_count_peers(self) -> int:
         """Training peers in the run's progress records, this one included, client-mode peers too (the coordinator
@@ -195,7 +207,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             # hivemind resets the accumulated .grad itself after each swarm step; zeroing them would lose samples.
             self.lightning_module.optimizer_zero_grad = _keep_gradients
         logger.info("Loading the swarm's state before the first step")
-        self.optimizer.load_state_from_peers()
+        self._took_swarm_state = self.load_state_from_peers()
         logger.info(f"Joined the swarm at epoch {self.local_epoch}")
 
     def _setup_diloco(self) -> None:
@@ -205,7 +217,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._watch is not None:
             self._watch.bound(self.rounds.tracker, self.rounds.outer)
         logger.info("Loading the swarm's outer state before the first step")
-        self.load_state_from_peers()
+        self._took_swarm_state = self.load_state_from_peers()
         logger.info(f"Joined the swarm at outer round {self.local_epoch}")
 
     def _follow_swarm_schedule(self, in_optimizer_step: bool = False) -> None:

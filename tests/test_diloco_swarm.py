@@ -37,6 +37,8 @@ def diloco_run(tmp_path_factory):
             peers[name] = spawn(name, "peers/join.py", *common, "--name", name, "--min-peers", "3",
                                 "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"),
                                 "--events", str(tmp / f"{name}.events"))
+            # one after the other: b takes a's state at its setup, then waits too (test_a_peer_that_took_...)
+            peers[name].wait_for(r"Waiting for peers", timeout=120)
         peers["d"] = spawn("d", "tests/dying_peer.py", str(DIES_AT), *common, "--name", "d", "--min-peers", "3")
         peers["a"].wait_for(r"^swarm epoch ([1-9]|\d\d) ", timeout=240)  # c starts now, and joins rounds later
         peers["c"] = spawn("c", "peers/join.py", *common, "--name", "c", "--stop-at-epoch", str(STOP_AT),
@@ -47,6 +49,20 @@ def diloco_run(tmp_path_factory):
     finally:
         for process in reversed(started):
             process.stop()
+
+
+def test_a_peer_that_took_the_state_and_waited_for_others_does_not_download_it_again(diloco_run):
+    """b comes once a waits, and takes a's outer state at its setup; then it waits for d (--min-peers 3), and nobody
+    steps before all three are there: b still holds the swarm's state when d arrives, and a second download (the
+    model over a volunteer's link) would bring nothing."""
+    _, _, peers, _, _ = diloco_run
+    b = peers["b"]
+    before_start = b.lines[:next(i for i, line in enumerate(b.lines) if "Starting at swarm epoch" in line)]
+    downloads = [line for line in before_start if "hivemind_internals.averaging: Finished downloading state" in line]
+    waited = next(i for i, line in enumerate(before_start) if "Waiting for peers" in line)
+    assert downloads and before_start.index(downloads[0]) < waited  # its setup took a's state
+    assert b.wait_for(r"Starting at swarm epoch (\d+)", timeout=1).group(1) == "0"  # nobody had stepped
+    assert len(downloads) == 1, before_start
 
 
 def test_peers_train_in_rounds_and_hold_the_same_outer_parameters(diloco_run):

@@ -228,7 +228,7 @@ class SwarmProgress(pl.Callback):
             raise_if_leaving()
             waited += 0.5
         if waited:
-            trainer.strategy.load_state_from_peers()  # whoever was first may have stepped meanwhile
+            trainer.strategy.catch_up_with_swarm()  # whoever was first may have stepped meanwhile
 
     def _maybe_stop(self, trainer: pl.Trainer) -> None:
         if self.stop_at_epoch is not None and trainer.strategy.local_epoch >= self.stop_at_epoch:
