@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.harness import evaluate_weights, run_swarm
+from benchmarks.harness import SMOKE_LOOKS, evaluate_weights, run_swarm
 from benchmarks.report import measured_by, verdict
 
 
@@ -31,7 +31,8 @@ def communication_suite(work: Path, smoke: bool) -> dict:
     results = []
     for kind in COMPRESSION_KINDS[:2] if smoke else COMPRESSION_KINDS:
         sent_before = loopback_bytes()
-        _, peers = run_swarm(work, f"comm-{kind}", 2, ["--grad-compression", kind, "--state-compression", kind],
+        _, peers = run_swarm(work, f"comm-{kind}", 2, ["--grad-compression", kind, "--state-compression", kind,
+                                                       *(SMOKE_LOOKS if smoke else [])],
                              ["--stop-at-epoch", str(epochs), "--save-weights", str(work / f"comm-{kind}-{{index}}.st")],
                              timeout=600)
         sent = loopback_bytes() - sent_before

@@ -264,6 +264,9 @@ def reached_epoch(peer: Process) -> int:
 # The coordinator only bootstraps and monitors (a look at the swarm every 10 s, its default) unless a suite asks it to
 # validate.
 MONITOR_ONLY = ["--validate-every", "0"]
+# A smoke run's coordinator looks every second: a swarm's run ends once the coordinator has read its peers' goodbyes
+# (wait_until_marked_left), up to a look after they left; the full suites keep the default, as a run's owner would.
+SMOKE_LOOKS = ["--refresh", "1"]
 
 
 def validated_epoch(store: Path) -> int:

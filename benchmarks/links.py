@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.harness import Process, reached_epoch, run_swarm
+from benchmarks.harness import SMOKE_LOOKS, Process, reached_epoch, run_swarm
 from benchmarks.report import measured_by, verdict
 from benchmarks.throughput import THROUGHPUT_PRESET
 from hivetrain.sampling import PeriodicSampler
@@ -98,7 +98,7 @@ def links_suite(work: Path, smoke: bool) -> dict:
                                   ("diloco-overlapped", [*diloco, "--overlap-rounds"])):
                 counter = LinkCounter(network)
                 with counter:
-                    _, peers = run_swarm(work, f"links-{rate}-{mode}", 2, options,
+                    _, peers = run_swarm(work, f"links-{rate}-{mode}", 2, [*options, *(SMOKE_LOOKS if smoke else [])],
                                          ["--batch-size", str(batch), "--max-time", f"{seconds / 60:.4f}"],
                                          timeout=seconds + 240, preset=THROUGHPUT_PRESET, network=network)
                 # Each peer's samples over its training time (first step to leaving), summed: on a slow link a sync

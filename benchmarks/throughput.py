@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.harness import run_baseline, run_swarm, swarm_window, trained_together
+from benchmarks.harness import SMOKE_LOOKS, run_baseline, run_swarm, swarm_window, trained_together
 from benchmarks.report import measured_by, verdict
 
 
@@ -52,7 +52,8 @@ def throughput_suite(work: Path, smoke: bool) -> dict:
             leave, until, timeout = [], lambda peers: trained_together(peers, 3), 600
         else:
             leave, until, timeout = ["--max-time", f"{setting['seconds'] / 60:.4f}"], None, setting["seconds"] + 180
-        coordinator, peers = run_swarm(work, name, 2, options, ["--batch-size", str(batch), *leave], timeout=timeout,
+        coordinator, peers = run_swarm(work, name, 2, [*options, *(SMOKE_LOOKS if smoke else [])],
+                                       ["--batch-size", str(batch), *leave], timeout=timeout,
                                        preset=THROUGHPUT_PRESET, until=until)
         result = swarm_window(coordinator, peers)
         result.update(setting, target_batch_size=setting.get("multiple", 0) * batch,
