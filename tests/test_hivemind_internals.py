@@ -47,11 +47,13 @@ def _private(name: str) -> bool:
 
 def _private_names_used(tree: ast.AST) -> set[str]:
     """Private attributes read or written, private methods defined or assigned (overrides), and private names as
-    strings (getattr)."""
+    strings (getattr). An attribute of a standard library module (threading._shutdown) is Python's, not hivemind's,
+    whatever name hivemind gives its own."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            names.add(node.attr)
+            if not (isinstance(node.value, ast.Name) and node.value.id in sys.stdlib_module_names):
+                names.add(node.attr)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(node.name)
         elif isinstance(node, ast.Name):  # e.g. an override assigned in a class body
