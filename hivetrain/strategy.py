@@ -146,9 +146,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             taken = self.rounds.load_state_from_peers()
             self._follow_swarm_schedule()
             return taken
-        before = self.optimizer.state_averager.states_taken
-        self.optimizer.load_state_from_peers()
-        return self.optimizer.state_averager.states_taken > before
+        return self.optimizer.load_state_from_peers()
 
     def catch_up_with_swarm(self) -> None:
         """Load the swarm's state if its progress records are beyond this peer's epoch, or the download at setup found

@@ -46,12 +46,14 @@ class SwarmOptimizer(PatchedOptimizer):
     missed_rounds = 0
     tracker_class = VettedProgressTracker  # progress entries anyone wrote are untrusted input
 
-    def load_state_from_peers(self, **kwargs) -> None:
-        started = time.perf_counter()
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """hivemind's download of the swarm's state; whether a holder served one (hivemind's says nothing)."""
+        started, taken = time.perf_counter(), self.state_averager.states_taken
         try:
             super().load_state_from_peers(**kwargs)
         finally:
             self.swarm_seconds += time.perf_counter() - started
+        return self.state_averager.states_taken > taken
 
     def step_back_to(self, clock: int) -> bool:
         """Take the swarm's state, this peer being beyond the coordinator's `clock` (it trained alone while cut off:
@@ -59,10 +61,9 @@ class SwarmOptimizer(PatchedOptimizer):
         so the peer steps back to the count first. When no holder served one (the link is barely back, each holder
         timed out), it stands at its own epoch again: at the count, with the parameters it trained alone, it would
         pass for in step with the swarm and never reload."""
-        epoch, taken = self.local_epoch, self.state_averager.states_taken
+        epoch = self.local_epoch
         self._stand_at(clock)
-        self.load_state_from_peers()
-        if self.state_averager.states_taken > taken:
+        if self.load_state_from_peers():
             return True
         logger.warning(f"No peer served the swarm's state: this peer stays at swarm epoch {epoch} and tries again")
         self._stand_at(epoch)
