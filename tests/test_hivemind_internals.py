@@ -47,12 +47,14 @@ def _private(name: str) -> bool:
 
 def _private_names_used(tree: ast.AST) -> set[str]:
     """Private attributes read or written, private methods defined or assigned (overrides), and private names as
-    strings (getattr). An attribute of a standard library module (threading._shutdown) is Python's, not hivemind's,
-    whatever name hivemind gives its own."""
+    strings (getattr). An attribute of a standard library module the source imports (threading._shutdown) is
+    Python's, not hivemind's, whatever name hivemind gives its own."""
+    stdlib_imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                       for alias in node.names if alias.name in sys.stdlib_module_names}
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            if not (isinstance(node.value, ast.Name) and node.value.id in sys.stdlib_module_names):
+            if not (isinstance(node.value, ast.Name) and node.value.id in stdlib_imported):
                 names.add(node.attr)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(node.name)
