@@ -16,7 +16,10 @@ from hivetrain.metrics_store import MetricsReader
 from hivetrain.model import create_model, load_weights
 from hivetrain.roles.peers.progress import parameter_digest
 
-STOP_AT = 20  # C starts after epoch 3 and needs a few epochs to import and load the state: leave it room to train
+STOP_AT = 20  # A and B leave here. C starts after epoch 3 and needs a few epochs to import and load the state
+# C trains past A and B: on two busy cores its start can take as long as their whole run (CI: it joined at STOP_AT and
+# had nothing left to train), and then it goes on alone from the state it downloaded.
+C_STOP_AT = STOP_AT + 2
 EPOCH_LINE = re.compile(r"swarm epoch (\d+) .* loss ([0-9.]+) \| params (\w+)")
 
 
@@ -26,7 +29,7 @@ def _epoch_lines(process: Process) -> list[tuple[int, float, str]]:
 
 @pytest.fixture(scope="module")
 def swarm_run(tmp_path_factory, s3):
-    """Peers A and B train to swarm epoch STOP_AT; C joins once the swarm has passed epoch 3."""
+    """Peers A and B train to swarm epoch STOP_AT; C joins once the swarm has passed epoch 3 and trains to C_STOP_AT."""
     tmp = tmp_path_factory.mktemp("swarm")
     started: list[Process] = []
 
@@ -45,7 +48,7 @@ def swarm_run(tmp_path_factory, s3):
                                 "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / f"{name}.safetensors"))
         peers["a"].wait_for(r"swarm epoch ([3-9]|\d\d) ", timeout=240)
         peers["c"] = spawn("c", "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", "c", "--threads", "1",
-                           "--stop-at-epoch", str(STOP_AT), "--save-weights", str(tmp / "c.safetensors"))
+                           "--stop-at-epoch", str(C_STOP_AT), "--save-weights", str(tmp / "c.safetensors"))
         codes = {name: peer.wait(timeout=300) for name, peer in peers.items()}
         yield tmp, peers, codes, s3
     finally:
@@ -92,9 +95,9 @@ def test_late_joiner_downloads_current_state(swarm_run):
     assert joined_at >= 3
     config = get_preset("demo")
     assert digest != parameter_digest(create_model(config.model, seed=config.seed))
-    # Then it trains with the swarm to the end.
+    # Then it trains, with the swarm and then alone, to its own end.
     epoch_c, _ = _load(tmp / "c.safetensors")
-    assert epoch_c == STOP_AT
+    assert epoch_c == C_STOP_AT
     # Its first epoch line continues from where it joined: the next epoch, or a later one when it missed its first
     # round and loaded the swarm's newer state (SwarmOptimizer reloads rather than drift); never back from scratch.
     epochs_c = [epoch for epoch, _, _ in _epoch_lines(peers["c"])]
@@ -119,7 +122,9 @@ def test_monitor_records_what_the_peers_published(swarm_run):
         time.sleep(1)
     assert recorded == expected
     assert max(s.alive_peers for s in snapshots) >= 2
-    assert max(s.epoch for s in snapshots) == STOP_AT
+    # The monitor saw the swarm reach A's and B's last epoch; C's own last one it may miss, as C leaves the moment it
+    # steps there alone.
+    assert STOP_AT <= max(s.epoch for s in snapshots) <= C_STOP_AT
     assert list((tmp / "coordinator" / "tensorboard").glob("events.out.tfevents.*"))
 
 
