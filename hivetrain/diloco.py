@@ -151,6 +151,7 @@ class DiLoCoRounds:
                                             private_key=private_key, start=True)
         self.outer.left_alone = self._left_alone
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
+        self.samples_discarded = 0  # trained in inner steps no round took: before a reload, or a non-finite restart
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.last_round_steps: Optional[int] = None  # the inner steps behind this peer's last round
         # Rounds paced in seconds: when this peer's next round falls due, and its group looked for ahead (its round)
@@ -193,8 +194,10 @@ class DiLoCoRounds:
         return self.rounds_missed + self.rounds_failed
 
     def load_state_from_peers(self) -> bool:
-        """Take the swarm's newest outer state, and start the next inner steps from it."""
+        """Take the swarm's newest outer state, and start the next inner steps from it: those since the last round
+        never reach the swarm (samples_discarded)."""
         self.finish_round()
+        self.samples_discarded += self.samples
         started = time.perf_counter()
         try:
             self.cancel_scheduled()  # its round's group: this peer's round may change now
@@ -220,7 +223,7 @@ class DiLoCoRounds:
         landed = self.flight is not None and self.flight.finished.is_set()
         changed = self._take_corrections()
         if not self.finite_steps.settled():
-            return self._restart_from_outer()
+            return self._restart_from_outer(samples)
         self.samples += samples
         self.inner_steps_since_round += 1
         if self.flight is not None:
@@ -244,17 +247,19 @@ class DiLoCoRounds:
             self._maybe_schedule_round()
             return changed
         if not self.finite_steps.settled(wait=True):  # the round reads the parameters: every step's verdict first
-            return self._restart_from_outer()
+            return self._restart_from_outer(0)
         if self.overlap:
             self.start_round()
             return changed
         self.run_round()
         return True
 
-    def _restart_from_outer(self) -> bool:
+    def _restart_from_outer(self, uncounted: int) -> bool:
+        """Back to the outer parameters; `uncounted`: the samples of this step, not yet in `samples`."""
         logger.warning("Non-finite loss: restarting this peer's inner steps from the swarm's outer parameters")
         self.restarts += 1
         self.finish_round()
+        self.samples_discarded += self.samples + uncounted
         self.outer.copy_to(self.parameters)
         self._begin_inner_steps()
         self.tracker.report_local_progress(self._progress_round(), 0)

@@ -97,6 +97,10 @@ class DiLoCoDDPStrategy(DDPStrategy):
     def missed_rounds(self) -> int:
         return self.rounds.missed_rounds if self.rounds is not None else 0
 
+    @property
+    def samples_discarded(self) -> int:
+        return self.rounds.samples_discarded if self.rounds is not None else 0
+
     def load_state_from_peers(self) -> bool:
         """Collective: rank 0 downloads the swarm's outer state, every rank continues from it; whether a holder
         served one (rank 0 knows)."""

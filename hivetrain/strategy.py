@@ -140,6 +140,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         swarm = self.rounds or self.optimizer
         return swarm.missed_rounds if swarm is not None else 0
 
+    @property
+    def samples_discarded(self) -> int:
+        """Samples this peer trained that never reached the swarm: steps dropped out of sync or non-finite, epochs or
+        inner steps replaced by the swarm's state (SwarmOptimizer, DiLoCoRounds)."""
+        swarm = self.rounds or self.optimizer
+        return swarm.samples_discarded if swarm is not None else 0
+
     def load_state_from_peers(self) -> bool:
         """Take the swarm's newest state; whether a holder served one."""
         if self.rounds is not None:

@@ -33,6 +33,10 @@ class SwarmOptimizer(PatchedOptimizer):
     parameters may be what went wrong. With fp16 the gradient scaler already skips overflowing steps: it is left to it.
     A step whose closure returns None (Lightning: training_step returned None) counts no samples.
 
+    `samples_discarded` adds up the samples this peer trained whose gradients the swarm never took: non-finite steps,
+    steps hivemind dropped because this peer was behind the swarm, and the epochs whose round it missed. A peer's
+    published contribution leaves them out (hivetrain.roles.peers.progress).
+
     `swarm_seconds` adds up the wall time this peer spent on the swarm rather than on its own batches: the steps that
     end a swarm epoch (waiting for a group, gradient all-reduce, the optimizer step, state averaging) and state
     downloads. The benchmarks report it as the time outside compute, and `missed_rounds`: the averaging rounds this
@@ -44,11 +48,16 @@ class SwarmOptimizer(PatchedOptimizer):
 
     swarm_seconds = 0.0
     missed_rounds = 0
+    samples_discarded = 0  # trained in steps whose gradients never reached the swarm (see step)
+    state_loads = 0  # downloads of the swarm's state begun, hivemind's own included
     tracker_class = VettedProgressTracker  # progress entries anyone wrote are untrusted input
 
     def load_state_from_peers(self, **kwargs) -> bool:
         """hivemind's download of the swarm's state; whether a holder served one (hivemind's says nothing)."""
         started, taken = time.perf_counter(), self.state_averager.states_taken
+        self.state_loads += 1
+        # hivemind resets the gradients accumulated toward this epoch's batch as it loads: their samples are lost
+        self.samples_discarded += self.tracker.local_progress.samples_accumulated
         try:
             super().load_state_from_peers(**kwargs)
         finally:
@@ -86,21 +95,31 @@ class SwarmOptimizer(PatchedOptimizer):
                 loss = closure()
             if loss is None:
                 return None
+        step_samples = batch_size if batch_size is not None else self.batch_size_per_step
         if grad_scaler is None and not self._finite(loss):
             logger.warning("Non-finite loss or gradients: skipping this step and reloading the swarm's state")
             self.zero_grad(set_to_none=True)
+            self.samples_discarded += step_samples  # and the load, those accumulated before
             self.load_state_from_peers()
             return loss
         self.missed_round = False
         seconds, epoch, started = self.swarm_seconds, self.local_epoch, time.perf_counter()
+        loads, accumulated = self.state_loads, self.tracker.local_progress.samples_accumulated
         super().step(batch_size=batch_size, grad_scaler=grad_scaler)
         if self.local_epoch != epoch:  # the whole step was the swarm's (a state download inside it included)
             self.swarm_seconds = seconds + time.perf_counter() - started
+        if self.state_loads != loads:
+            # hivemind found this peer behind the swarm: it dropped the step's gradients, made with out-of-sync
+            # parameters, and loaded the state instead (a joiner's first steps, a peer that fell behind); the load
+            # counted those accumulated before
+            self.samples_discarded += step_samples
         if self.missed_round and self.tracker.global_progress.num_peers > 1:
             # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
-            # drift one epoch apart (where each peer's rounds come when the others are not looking).
+            # drift one epoch apart (where each peer's rounds come when the others are not looking). The epoch's
+            # samples went into its own step only, which the swarm's state now replaces.
             logger.warning("Missed the swarm's averaging round: loading its state instead of drifting")
             self.missed_rounds += 1
+            self.samples_discarded += accumulated + step_samples  # the epoch's update reset the tracker's count
             self.load_state_from_peers()
         return loss
 

@@ -114,7 +114,8 @@ def test_swarm_step_equals_local_step_on_union_batch(peers, robust_aggregation, 
 
 
 def test_non_finite_gradients_never_reach_the_swarm():
-    """A peer whose loss turns NaN skips the step, counts no samples, and reloads the swarm's state."""
+    """A peer whose loss turns NaN skips the step, counts no samples, and reloads the swarm's state. So does a peer
+    behind the swarm (hivemind drops its step): neither step counts as this peer's contribution."""
     config = get_preset("demo")
     b = 16
     options = HivemindOptions(run_id="test_nan", target_batch_size=2 * b, batch_size=b, matchmaking_time=1.0,
@@ -144,13 +145,19 @@ def test_non_finite_gradients_never_reach_the_swarm():
             healthy.zero_grad()
             healthy.step(closure(models[0], seed))
         assert healthy.local_epoch >= 2
-        sick.load_state_from_peers()
+        deadline = time.monotonic() + 30
+        while sick.tracker.global_epoch < healthy.local_epoch and time.monotonic() < deadline:
+            time.sleep(0.1)  # the sick peer reads the swarm's progress records
+        sick.zero_grad()
+        sick.step(closure(models[1], 50))  # at epoch 0: out of sync, so hivemind drops the step and loads the state
+        assert sick.local_epoch == healthy.local_epoch and sick.samples_discarded == b
         sick.zero_grad()
         with torch.no_grad():  # the sick peer's own parameters went bad too
             next(models[1].parameters()).fill_(float("nan"))
         loss = sick.step(closure(models[1], 100, poison=float("nan")))
         assert not torch.isfinite(loss)
         assert sick.tracker.local_progress.samples_accumulated == 0  # nothing was counted toward the swarm's batch
+        assert sick.samples_discarded == 2 * b
         for mine, theirs in zip(models[1].parameters(), models[0].parameters()):
             assert torch.isfinite(mine).all() and torch.equal(mine, theirs)  # the swarm's state, reloaded
         assert sick.local_epoch == healthy.local_epoch

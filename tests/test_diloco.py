@@ -129,6 +129,7 @@ def test_a_non_finite_step_known_on_the_device_restarts_from_the_outer_parameter
             next(model.parameters()).fill_(float("nan"))  # what a non-finite step leaves behind
         assert rounds.after_inner_step(8, finite=torch.tensor(False))
         assert rounds.restarts == 1 and rounds.samples == 0 and rounds.round == 0
+        assert rounds.samples_discarded == 16  # both steps since the outer parameters: no round will take them
         torch.testing.assert_close(_flat(model.parameters()), outer, rtol=0, atol=0)
         for seed in range(3):  # three good steps: the round, with finite parameters
             _inner_step(model, optimizer, 2 + seed, 8)
@@ -292,6 +293,10 @@ def test_a_late_joiner_gets_the_outer_parameters_and_momentum(dhts):
         before = _flat(joiner.outer.outer_parameters)
         assert not joiner.outer.set_state(5, [torch.zeros(3)])
         assert joiner.round == 3 and torch.equal(_flat(joiner.outer.outer_parameters), before)
+        # inner steps taken since the last round and then replaced by the swarm's state never reach the swarm
+        joiner.samples = 16
+        assert joiner.load_state_from_peers()
+        assert joiner.samples == 0 and joiner.samples_discarded == 16
     finally:
         if joiner is not None:
             joiner.shutdown()

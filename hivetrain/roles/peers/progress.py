@@ -30,11 +30,12 @@ class SwarmProgress(pl.Callback):
         self.name, self.hardware, self.client_mode = name, hardware, client_mode
         self.min_peers, self.publish_every, self.events = min_peers, publish_every, events
         self.epoch = 0
-        self.samples = 0  # samples this peer contributed
+        self.trained = 0  # samples this peer trained
+        self.samples = 0  # of which it contributed: the swarm took their gradients (not the strategy's samples_discarded)
         self._epoch_started = time.monotonic()
         # detached loss tensors, read on the host once per line and record (mean_loss), not at every step
         self._losses: list[torch.Tensor] = []  # since the last epoch line
-        self._published = (time.monotonic(), 0)  # when, and at how many samples
+        self._published = (time.monotonic(), 0)  # when, and at how many samples trained
         self._recent_losses: list[torch.Tensor] = []  # since the last record
         self.train_seconds = 0.0  # wall time from the first step on
         self.swarm_seconds = 0.0  # of which in swarm rounds and state downloads (SwarmOptimizer.swarm_seconds)
@@ -104,10 +105,11 @@ class SwarmProgress(pl.Callback):
                            batch_idx: int) -> None:
         raise_if_leaving()
         speaks = trainer.is_global_zero
-        if not self.samples and speaks:
+        if not self.trained and speaks:
             print(f"First local step done: contributing toward swarm epoch {trainer.strategy.local_epoch}", flush=True)
             self.events("first_step", epoch=trainer.strategy.local_epoch)
-        self.samples += self.batch_size
+        self.trained += self.batch_size
+        self.samples = self.trained - trainer.strategy.samples_discarded
         if isinstance(outputs, dict) and "loss" in outputs:  # rank zero's own loss on a peer with several devices
             loss = outputs["loss"].detach()
             self._losses.append(loss)
@@ -186,9 +188,9 @@ class SwarmProgress(pl.Callback):
             self._publish_locked(trainer, wait, left)
 
     def _publish_locked(self, trainer: pl.Trainer, wait: bool, left: bool) -> None:
-        now, samples = time.monotonic(), self.samples
-        (since, samples_then), losses = self._published, self._recent_losses
-        self._published, self._recent_losses = (now, samples), []
+        now, samples, trained = time.monotonic(), self.samples, self.trained
+        (since, trained_then), losses = self._published, self._recent_losses
+        self._published, self._recent_losses = (now, trained), []
         self._measure_time(trainer)
         rounds, diloco = trainer.strategy.rounds, {}  # diloco: what the dashboard shows of each peer's rounds
         if rounds is not None:
@@ -203,7 +205,7 @@ class SwarmProgress(pl.Callback):
             hardware=self.hardware,
             client_mode=self.client_mode,
             epoch=trainer.strategy.local_epoch,
-            samples_per_second=(samples - samples_then) / max(now - since, 1e-6),
+            samples_per_second=(trained - trained_then) / max(now - since, 1e-6),  # its speed, whatever became of it
             loss=finite_or_none(mean_loss(losses)) if losses else None,
             samples=samples,
             time=time.time(),
