@@ -116,11 +116,11 @@ class SwarmOptimizer(PatchedOptimizer):
         if self.missed_round and self.tracker.global_progress.num_peers > 1:
             # It stepped with its own gradients while the others averaged theirs: take the swarm's state rather than
             # drift one epoch apart (where each peer's rounds come when the others are not looking). The epoch's
-            # samples went into its own step only, which the swarm's state now replaces.
+            # samples went into its own step only, which the swarm's state replaces when a holder serves one.
             logger.warning("Missed the swarm's averaging round: loading its state instead of drifting")
             self.missed_rounds += 1
-            self.samples_discarded += accumulated + step_samples  # the epoch's update reset the tracker's count
-            self.load_state_from_peers()
+            if self.load_state_from_peers():
+                self.samples_discarded += accumulated + step_samples  # the epoch's update reset the tracker's count
         return loss
 
     def _finite(self, loss: Optional[torch.Tensor]) -> bool:
