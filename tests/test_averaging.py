@@ -146,8 +146,9 @@ def test_non_finite_gradients_never_reach_the_swarm():
             healthy.step(closure(models[0], seed))
         assert healthy.local_epoch >= 2
         deadline = time.monotonic() + 30
-        while sick.tracker.global_epoch < healthy.local_epoch and time.monotonic() < deadline:
-            time.sleep(0.1)  # the sick peer reads the swarm's progress records
+        while sick.tracker.global_epoch < healthy.local_epoch:  # the sick peer reads the swarm's progress records
+            assert time.monotonic() < deadline, "the sick peer never saw the healthy one's epoch"
+            time.sleep(0.1)
         sick.zero_grad()
         sick.step(closure(models[1], 50))  # at epoch 0: out of sync, so hivemind drops the step and loads the state
         assert sick.local_epoch == healthy.local_epoch and sick.samples_discarded == b

@@ -425,9 +425,9 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     swarm_share = (f"; of {progress.train_seconds:.1f} s training, {progress.swarm_seconds:.1f} s in swarm rounds"
                    f" and state downloads" if progress.train_seconds else "")
     dropped = progress.trained - progress.samples
-    dropped = f" ({dropped} more trained that never reached the swarm)" if dropped else ""
+    dropped_share = f" ({dropped} more trained that never reached the swarm)" if dropped else ""
     print(f"Leaving at swarm epoch {progress.epoch} after {time.monotonic() - started:.0f} s:"
-          f" contributed {progress.samples} samples{dropped}{swarm_share}.", flush=True)
+          f" contributed {progress.samples} samples{dropped_share}{swarm_share}.", flush=True)
     events("left", epoch=progress.epoch, samples=progress.samples, trained=progress.trained,
            train_seconds=progress.train_seconds,
            swarm_seconds=progress.swarm_seconds, missed_rounds=progress.missed_rounds,
