@@ -2,6 +2,8 @@
 pseudo-gradient x1000 in every round. Without a defence the honest peers' model is ruined; with centered-clip inside
 the all-reduce it keeps training (over 70% top-1 on the held-out digits after three rounds)."""
 
+import re
+
 import pytest
 import torch
 
@@ -64,8 +66,14 @@ def test_one_attacker_in_four(attacked_run):
     announced = [line for line in coordinator.lines if line.startswith("Robust aggregation: ")]
     expected = "Robust aggregation: centered-clip (clip radius 0.25) in every all-reduce"
     assert announced == ([] if defence == "none" else [expected])
-    attacks = [line for line in peers["attacker"].lines if line.startswith("Attack: ")]
-    assert len(attacks) >= 2, peers["attacker"].lines  # it took part: the outcome below is its doing
+    # It took part: a round it attacked was averaged with the swarm, so the outcome below is its doing. On two busy
+    # cores it can fall a round behind and load the swarm's state instead of attacking (CI, stop 42: one attack in
+    # three rounds), so one averaged attack is what the test asks for.
+    log = peers["attacker"].lines
+    attacked = {int(m.group(1)) for line in log if (m := re.match(r"Attack: \S+ on outer round (\d+)", line))}
+    averaged = {int(m.group(1)) for line in log
+                if (m := re.search(r"Outer round (\d+): averaged with the swarm", line))}
+    assert attacked & averaged, "\n".join(log)
     top1 = {name: _top1(tmp / f"{name}.safetensors") for name in HONEST}
     if defence == "none":
         assert max(top1.values()) < 0.3, top1  # the attack works: near chance (10 classes) or blown up
