@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks.attacks import Contribution
-from conftest import Process, start_coordinator
+from conftest import ROUND_LINE, Process, start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.evaluate import evaluate
@@ -72,7 +72,7 @@ def test_one_attacker_in_four(attacked_run):
     log = peers["attacker"].lines
     attacked = {int(m.group(1)) for line in log if (m := re.match(r"Attack: \S+ on outer round (\d+)", line))}
     averaged = {int(m.group(1)) for line in log
-                if (m := re.search(r"Outer round (\d+): averaged with the swarm", line))}
+                if (m := ROUND_LINE.search(line)) and m.group(2) == "averaged with the swarm"}
     assert attacked & averaged, "\n".join(log)
     top1 = {name: _top1(tmp / f"{name}.safetensors") for name in HONEST}
     if defence == "none":

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import Process, start_coordinator
+from conftest import ROUND_LINE, Process, start_coordinator
 from hivetrain.checkpoint_location import load_checkpoint
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import MetricsReader
@@ -17,7 +17,6 @@ from hivetrain.model import create_model, load_weights
 STOP_AT = 32  # rounds take about 2 s here: the late joiner, up within ~10 s, still trains several
 DIES_AT = 3  # the outer round in which peer d dies
 DILOCO = ("--preset", "demo", "--mode", "diloco", "--overlap-rounds", "--inner-steps", "8")
-ROUND_LINE = re.compile(r"Outer round (\d+):? (.+)$")  # "N: averaged ...", "N: alone", "N could not be averaged ..."
 
 
 @pytest.fixture(scope="module")
