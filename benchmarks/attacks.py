@@ -7,8 +7,12 @@ ATTACK is one of
   scale:FACTOR  its gradients (sync) or pseudo-gradient (diloco) times FACTOR: scale:-10, scale:1000
   noise         Gaussian noise of the same norm, tensor by tensor: as large as an honest contribution, and useless
   replay        the contribution of its first round, sent again in every later one: stale, honest-looking values
-and ATTACK@R (scale:1000@3) plays honest in its first R rounds (diloco: until outer round R), so that the run first
-has a good state to lose.
+and, so that the run first has a good state to lose, it plays honest
+  ATTACK@R      in its first R rounds (diloco: until outer round R; sync: R swarm epochs): scale:1000@3, for a
+                benchmark that times the recovery from a known round;
+  ATTACK@PATH   until the file PATH exists (scale:1000@/tmp/go): whoever runs it creates the file once the coordinator
+                has validated a good state. A count of rounds races the coordinator's validation: demo rounds of
+                under a second can pass three rounds before its first look.
 
 In diloco mode the pseudo-gradient g = outer - local is replaced by attack(g) before the outer step, so the outer
 parameters it sends are outer - lr (1 + m) attack(g)-ish, as hivetrain.outer_state.OuterState computes them. In sync
@@ -19,6 +23,7 @@ mode the gradients it loads into hivemind's gradient averager are replaced. Each
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -31,10 +36,9 @@ class Contribution:
 
     def __init__(self, spec: str, seed: int = 0):
         spec, _, start = spec.partition("@")
-        try:
-            self.from_round = int(start) if start else 0  # diloco: the first outer round attacked
-        except ValueError:
-            raise ValueError(f"{start!r} in ATTACK@ROUND is not a round number") from None
+        # ATTACK@R: from round R (diloco: outer round R); ATTACK@PATH: once the file PATH exists
+        self.from_round = int(start) if start.isdigit() else 0
+        self.trigger = Path(start) if start and not start.isdigit() else None
         self.spec, self.rounds = spec, 0
         self.first_round: Optional[list[torch.Tensor]] = None
         self.generator = torch.Generator().manual_seed(seed)
@@ -42,6 +46,13 @@ class Contribution:
             self.factor = float(spec.split(":", 1)[1])
         elif spec not in ("noise", "replay"):
             raise ValueError(f"unknown attack {spec!r}: choose one of {', '.join(ATTACKS)}")
+
+    def started(self, round_: int) -> bool:
+        """Whether it attacks `round_` (counted from 0): from its first round, or once its trigger file exists (and
+        from then on)."""
+        if self.trigger is not None and self.trigger.exists():
+            self.trigger = None
+        return self.trigger is None and round_ >= self.from_round
 
     def __call__(self, honest: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         self.rounds += 1
@@ -67,7 +78,7 @@ def attack_diloco(attack: Contribution) -> None:
 
     def attacked_outer_step(self, local_parameters: Sequence[torch.Tensor], weight: float,
                             timeout: Optional[float], **kwargs):
-        if timeout is None or self.round < attack.from_round:  # alone: nobody to harm; or not yet
+        if timeout is None or not attack.started(self.round):  # alone: nobody to harm; or not yet
             return honest_outer_step(self, local_parameters, weight, timeout, **kwargs)
         with torch.no_grad():
             pseudo = [outer - local.detach().to("cpu", torch.float32)
@@ -95,7 +106,7 @@ def attack_sync(attack: Contribution) -> None:
         def load_accumulators_into_averager_(self) -> None:
             super().load_accumulators_into_averager_()
             self.loads += 1
-            if self.loads <= attack.from_round:  # one load per swarm epoch: honest for the first ones
+            if not attack.started(self.loads - 1):  # one load per swarm epoch
                 return
             with self.get_tensors() as averaged:
                 for tensor, replaced in zip(averaged, attack([t.clone() for t in averaged])):
@@ -107,7 +118,7 @@ def attack_sync(attack: Contribution) -> None:
 
 def main(argv: Sequence[str], join_main: Callable[[list[str]], int]) -> int:
     if not argv:
-        print(f"usage: python benchmarks/attacks.py {{{'|'.join(ATTACKS)}}} [peers/join.py arguments]",
+        print(f"usage: python benchmarks/attacks.py {{{'|'.join(ATTACKS)}}}[@R|@PATH] [peers/join.py arguments]",
               file=sys.stderr)
         return 2
     try:
@@ -121,8 +132,6 @@ def main(argv: Sequence[str], join_main: Callable[[list[str]], int]) -> int:
 
 
 if __name__ == "__main__":
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from the repository root
     from hivetrain.roles.peers import join
 

@@ -97,6 +97,19 @@ def test_each_attack_replaces_a_contribution_as_named():
         Contribution("flip")
 
 
+def test_an_attack_starts_at_its_round_or_once_its_trigger_file_exists(tmp_path):
+    from_round = Contribution("scale:1000@3")
+    assert [from_round.started(r) for r in range(5)] == [False, False, False, True, True]
+    trigger = tmp_path / "go"
+    triggered = Contribution(f"noise@{trigger}")
+    assert triggered.spec == "noise" and not triggered.started(0) and not triggered.started(7)
+    trigger.touch()
+    assert triggered.started(8)
+    trigger.unlink()
+    assert triggered.started(9)  # from then on
+    assert Contribution("replay").started(0)
+
+
 def test_the_sync_attack_replaces_the_gradients_a_peer_loads_for_averaging(monkeypatch):
     from hivemind.optim.grad_averager import GradientAverager
 

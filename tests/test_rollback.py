@@ -3,8 +3,8 @@
 The unit test runs real DHT nodes on loopback: a coordinator that signs a genuine record, a forger that writes under
 the same key with its own key, unsigned and malformed, and a peer that must act on the genuine record only. The
 end-to-end test runs a coordinator with --rollback-drop and two demo peers, in each swarm mode, one of which turns
-attacker after its first rounds (benchmarks/attacks.py): the coordinator's validation sees top-1 collapse, serves the
-best checkpoint again, and both peers take it and say so.
+attacker once the coordinator has validated a good state (benchmarks/attacks.py): the coordinator's validation sees
+top-1 collapse, serves the best checkpoint again, and both peers take it and say so.
 """
 
 import logging
@@ -124,15 +124,18 @@ def test_a_restarted_coordinator_signs_with_the_same_key(spawn, tmp_path):
 
 
 
-ATTACK_FROM = 3  # outer rounds of honest training first: the best checkpoint is well above chance by then
 DROP = 20  # top-1 points: the attacked model falls to about chance (10%)
+# The attacker plays honest until the coordinator has validated a best state well above chance (its trigger file:
+# benchmarks/attacks.py ATTACK@PATH). Three honest rounds raced the coordinator: demo rounds of under a second had
+# passed them before its first validation, which saw the attacked model at chance, with nothing to fall from.
+GOOD_BEST_LINE = r"^validation at swarm epoch \d+: top-1 (0\.[5-9]|1\.0)\d*, .* \(best so far\)$"  # top-1 >= 0.5
 ROLLBACK_LINE = (r"^Rollback (\d+): validation at swarm epoch (\d+) saw top-1 fall to ([\d.]+)%; the swarm goes back to"
                  r" the best validated state \(swarm epoch (\d+), top-1 ([\d.]+)%\), served as swarm epoch (\d+)$")
 
 
-# diloco: the pseudo-gradient x1000 from outer round 3. sync: the gradients x-10 from the fourth swarm epoch (AdamW
-# divides by the gradients' own scale, so x1000 would mostly train on; x-10 ascends the loss). diloco on two devices:
-# the honest peer trains on two CPU processes (DDP), its rank 0 watches for the rollback and both ranks take it.
+# diloco: the pseudo-gradient x1000. sync: the gradients x-10 (AdamW divides by the gradients' own scale, so x1000
+# would mostly train on; x-10 ascends the loss). diloco on two devices: the honest peer trains on two CPU processes
+# (DDP), its rank 0 watches for the rollback and both ranks take it.
 DILOCO = ["--mode", "diloco", "--inner-steps", "16"]
 MODES = {"diloco": (DILOCO, "scale:1000", []),
          "sync": (["--mode", "sync"], "scale:-10", []),
@@ -148,8 +151,10 @@ def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_p
     common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1", "--min-peers", "2")
     peers = {"honest": spawn("honest", "peers/join.py", *common, "--name", "honest", *honest_options,
                              events=tmp_path / "honest.jsonl"),
-             "attacker": spawn("attacker", "benchmarks/attacks.py", f"{attack}@{ATTACK_FROM}", *common,
+             "attacker": spawn("attacker", "benchmarks/attacks.py", f"{attack}@{tmp_path / 'attack'}", *common,
                                "--name", "attacker", events=tmp_path / "attacker.jsonl")}
+    coordinator.wait_for(GOOD_BEST_LINE, timeout=150)
+    (tmp_path / "attack").touch()
     first = coordinator.wait_for(ROLLBACK_LINE, timeout=150)
     published_at = time.monotonic()
     assert float(first.group(3)) < float(first.group(5)) - DROP
