@@ -7,14 +7,15 @@ import sys
 from conftest import ROOT
 from hivetrain.records import read_record
 
-EPOCHS = 6
+EPOCHS = 12
 
 
 def test_demo_writes_its_numbers_and_a_swarm_record(tmp_path):
     page, records = tmp_path / "logbook" / "demo.md", tmp_path / "logbook" / "records"
     done = subprocess.run(
-        # 6 rounds: on an idle machine 4 rounds of 8 steps took 3 s, and the peers had left before the coordinator,
-        # looking every 2 s, could download a state to validate (1 run in 3 failed so)
+        # 12 rounds: the coordinator looks every 2 s and validates a state it downloads from a peer that is still
+        # there. Overlapped rounds of 8 steps take about 0.6 s here: with 6, a fresh-clone suite saw one look at a
+        # trained epoch, 0.5 s before both peers left, no state downloaded, and no validation (4 rounds: 1 run in 3)
         [sys.executable, "scripts/demo.py", "--epochs", str(EPOCHS), "--inner-steps", "8", "--workdir",
          str(tmp_path / "run"), "--logbook", str(page), "--record-dir", str(records)],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
