@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -199,3 +200,53 @@ def test_a_holders_offer_to_share_its_state_never_lapses_between_renewals():
     finally:
         holder.shutdown()
         dht.shutdown()
+
+
+def _wait_for_stage(controls, stage, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(control.stage != stage for control in controls):
+        assert time.monotonic() < deadline, [control.stage for control in controls]
+        time.sleep(0.02)
+
+
+def test_a_part_sent_before_its_group_is_triggered_here_waits_for_it():
+    """An overlapped peer looks for its next round's group while the last round's all-reduce still runs, and the
+    groupmates trigger a round each at its own moment. hivemind turned away a part sent for a group this peer had
+    found but not triggered yet whenever an earlier group had registered since (WaitsForItsGroup): both halves of
+    the all-reduce then waited out their timeout and each peer kept part of its own tensors."""
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                  initial_peers=[str(a) for a in first.get_visible_maddrs()]))
+    averagers = [BoundedDownloads(averaged_tensors=[torch.full((1000,), value)], dht=dht, prefix="late_trigger",
+                                  start=True, min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=5.0,
+                                  target_group_size=2)
+                 for dht, value in ((first, 1.0), (second, 3.0))]
+    try:
+        def schedule(ahead: float):
+            at = get_dht_time() + ahead
+            return [a.step(scheduled_time=at, timeout=20.0, require_trigger=True, wait=False) for a in averagers]
+
+        earlier = schedule(1.5)
+        _wait_for_stage(earlier, AveragingStage.AWAITING_TRIGGER)
+        later = schedule(3.0)  # looked for ahead while the earlier round has yet to run (hivemind clears its event)
+        for control in earlier:
+            control.allow_allreduce()
+        for control in earlier:
+            control.result(timeout=20)  # registered, it sets the event that the later round cleared
+        for averager, value in zip(averagers, (10.0, 20.0)):
+            with averager.get_tensors() as (tensor,):
+                tensor.fill_(value)
+        _wait_for_stage(later, AveragingStage.AWAITING_TRIGGER)
+        later[0].allow_allreduce()  # the first peer's part reaches the second before the second triggers
+        time.sleep(1.0)
+        later[1].allow_allreduce()
+        for control in later:
+            control.result(timeout=20)
+        for averager in averagers:
+            with averager.get_tensors() as (tensor,):
+                assert torch.allclose(tensor, torch.full_like(tensor, 15.0)), tensor.unique()
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()

@@ -23,7 +23,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -34,6 +34,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 STATE_BYTES_FACTOR, STATE_BYTES_SLACK = 4, 1 << 16
 STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the state download it is answering
 ADMITTED_FOR = 10.0  # seconds an averager answers a caller its DHT process admitted without asking again
+GROUP_REGISTRATION_POLL = 0.005  # seconds between two looks for the group of a groupmate's part (WaitsForItsGroup)
 logger = logging.getLogger(__name__)
 
 
@@ -207,6 +208,28 @@ class GroupClosesWhenFull(hivemind.averaging.averager.DecentralizedAverager):
         self._matchmaking.target_group_size = size  # hivemind's leader reads it at each join request
 
 
+class WaitsForItsGroup(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager that holds a groupmate's part of an all-reduce until this peer has registered that
+    part's group (its own trigger, for a round looked for ahead), rather than turning it away.
+
+    hivemind answers a part for a group it has not registered yet after waiting for `_pending_groups_registered`,
+    which every step clears when it starts looking and any group's registration sets. A group looked for ahead while
+    the previous round's all-reduce still runs (an overlapped peer) is cleared early, then set by that previous
+    round: a groupmate that triggers the new round first had its part refused (BAD_GROUP_ID), and its all-reduce and
+    this peer's each waited out `next_chunk_timeout` for the missing half ("received 50.0% of input tensors"), every
+    round (`scripts/demo.py --round-seconds 1`: rounds of 5 s, and peers whose parameters differed by 8.6e-3)."""
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        request = await anext(stream)
+        # as long as the sender waits for this peer's answer; a group never registered is refused after it
+        deadline = time.monotonic() + (self.next_chunk_timeout or self.request_timeout)
+        while request.group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(GROUP_REGISTRATION_POLL)
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+
 class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
     """A DecentralizedAverager whose RPCs (join requests, parts of an all-reduce, state downloads) answer only the
     callers that `caller_check` admits: a coroutine function run in the DHT's process as
@@ -268,9 +291,9 @@ def _warn_refused(caller: PeerID) -> None:
 
 
 def _missing_mixins(averager_class: type) -> tuple[type, ...]:
-    """The mixins every averager of ours has (MembersOnly, JoinsStateServer, GroupClosesWhenFull) that
-    `averager_class` lacks."""
-    return tuple(mixin for mixin in (MembersOnly, JoinsStateServer, GroupClosesWhenFull)
+    """The mixins every averager of ours has (MembersOnly, WaitsForItsGroup, JoinsStateServer, GroupClosesWhenFull)
+    that `averager_class` lacks."""
+    return tuple(mixin for mixin in (MembersOnly, WaitsForItsGroup, JoinsStateServer, GroupClosesWhenFull)
                  if not issubclass(averager_class, mixin))
 
 
@@ -297,7 +320,7 @@ def members_only_class(averager_class: type) -> type:
     return _subclass_under_its_name("members_only_class", averager_class, mixins) if mixins else averager_class
 
 
-class BoundedDownloads(MembersOnly, JoinsStateServer, LastingStateOffer, GroupClosesWhenFull):
+class BoundedDownloads(MembersOnly, WaitsForItsGroup, JoinsStateServer, LastingStateOffer, GroupClosesWhenFull):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
     process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
     beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than
