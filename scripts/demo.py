@@ -3,7 +3,7 @@ scikit-learn's digits) in diloco rounds. The coordinator validates the shared mo
 checkpoint; the run is written to runs/demo/logbook/demo.md from its metrics store (with --publish, `make logbook`: to
 logbook/).
 
-    python scripts/demo.py [--mode diloco|sync] [--inner-steps 16] [--epochs N]
+    python scripts/demo.py [--mode diloco|sync] [--round-seconds 2 | --inner-steps H] [--epochs N]
 """
 
 from __future__ import annotations
@@ -19,17 +19,23 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tools are not installed
 
 from benchmarks.harness import (ROOT, Process, git_commit, run_baseline, start_coordinator, start_peer,
                                 wait_until_marked_left)
-from hivetrain.config import SWARM_MODES, RunConfig, diloco_schedule_flags, get_preset
+from hivetrain.config import (MAX_ROUND_SECONDS, MIN_ROUND_SECONDS, SWARM_MODES, RunConfig, diloco_schedule_flags,
+                              get_preset)
 from hivetrain.sampling import PeriodicSampler
 
-# Local steps of 32 samples per peer between rounds: 2 peers x 16 x 32 = 1,024 samples per round, about a second of
-# compute per peer here against a round's fixed cost (matchmaking and the progress records), ~2 s on loopback.
-DEMO_INNER_STEPS = 16
+# Rounds paced in seconds, as a GPU swarm runs them: every peer's round falls due on one grid of the clock, so its
+# group is looked for ahead and stands ready, and the all-reduce runs beside the next inner steps. Rounds paced in
+# inner steps (--inner-steps) fall due when the progress records say so, which each peer reads at its own moment:
+# the group forms only once the later one has noticed, and rounds of 16 steps here spent 19-22% of the peers' time
+# waiting for it (32 steps: 19%), against 7-10% paced every 2 s (`python scripts/demo.py [--inner-steps 32]`).
+DEMO_ROUND_SECONDS = 2.0
+DEMO_PACED_ROUNDS = 6
 # Overlapped rounds run beside the next H inner steps (about a second of this tiny model's compute): a round's
 # matchmaking window must end well within them, or each peer waits for it. Peers on one machine find each other at once.
 DEMO_MATCHMAKING_SECONDS = 0.5
@@ -114,15 +120,20 @@ def _start_dashboard(workdir: Path, preferred_port: int) -> Process:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python scripts/demo.py")
     parser.add_argument("--mode", choices=SWARM_MODES, default="diloco",
-                        help="diloco (default): rounds of --inner-steps local steps, each round overlapped with the"
-                             " next round's steps (--overlap-rounds), the preset's schedule stretched to"
-                             " the same learning rate per sample seen; sync: the preset as it is, gradients averaged"
-                             " every swarm epoch of 128 samples")
-    parser.add_argument("--inner-steps", type=int, default=DEMO_INNER_STEPS, metavar="H",
-                        help="diloco: local steps of 32 samples per peer between rounds (default: %(default)s)")
+                        help="diloco (default): outer rounds, each overlapped with the next round's inner steps"
+                             " (--overlap-rounds); sync: the preset as it is, gradients averaged every swarm epoch of"
+                             " 128 samples")
+    parser.add_argument("--round-seconds", type=float, default=DEMO_ROUND_SECONDS, metavar="S",
+                        help="diloco: a round every S seconds of the clock, each peer taking the inner steps it fits"
+                             " (default: %(default)s); the preset's schedule is stretched to the inner steps the"
+                             " peers can take in --epochs rounds at the DDP reference's speed")
+    parser.add_argument("--inner-steps", type=int, default=None, metavar="H",
+                        help="diloco: a round every H local steps of 32 samples per peer instead, the preset's"
+                             " schedule stretched to the same learning rate per sample seen")
     parser.add_argument("--epochs", type=int, default=None,
-                        help="swarm epochs to train: outer rounds (diloco) or optimizer steps (sync); default: the"
-                             " samples of the preset's schedule (60 x 128) in either mode")
+                        help=f"swarm epochs to train: outer rounds (diloco) or optimizer steps (sync); default:"
+                             f" {DEMO_PACED_ROUNDS} rounds paced in seconds, else the samples of the preset's schedule"
+                             f" (60 x 128)")
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "demo"), help="where logs and weights go")
     parser.add_argument("--logbook", default=None,
                         help="the page written at the end (default: <workdir>/logbook/demo.md; with --publish,"
@@ -137,16 +148,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the page and the run record into the repository's logbook/ (make logbook): the"
                              " committed logbook changes only when asked")
     args = parser.parse_args(argv)
-    if args.inner_steps < 1 or (args.epochs is not None and args.epochs < 1):
+    if (args.inner_steps is not None and args.inner_steps < 1) or (args.epochs is not None and args.epochs < 1):
         parser.error("--inner-steps and --epochs must be at least 1")
+    if args.inner_steps is None and not MIN_ROUND_SECONDS <= args.round_seconds <= MAX_ROUND_SECONDS:
+        parser.error(f"--round-seconds must be from {MIN_ROUND_SECONDS:g} to {MAX_ROUND_SECONDS:g}")
+    paced = args.mode == "diloco" and args.inner_steps is None
     preset = get_preset("demo")
-    schedule_samples = preset.optim.total_steps * preset.swarm.target_batch_size
-    epoch_samples = (args.inner_steps * preset.batch_size * 2 if args.mode == "diloco"
-                     else preset.swarm.target_batch_size)
-    args.epochs = args.epochs or -(-schedule_samples // epoch_samples)
-    swarm_options = (["--mode", "diloco", "--overlap-rounds", "--matchmaking-time", str(DEMO_MATCHMAKING_SECONDS),
-                      "--inner-steps", str(args.inner_steps),
-                      *diloco_schedule_flags(preset, 2)] if args.mode == "diloco" else ["--mode", "sync"])
+    if paced:
+        args.epochs = args.epochs or DEMO_PACED_ROUNDS
+    else:
+        args.inner_steps = args.inner_steps or 16
+        schedule_samples = preset.optim.total_steps * preset.swarm.target_batch_size
+        epoch_samples = (args.inner_steps * preset.batch_size * 2 if args.mode == "diloco"
+                         else preset.swarm.target_batch_size)
+        args.epochs = args.epochs or -(-schedule_samples // epoch_samples)
     logbook = ROOT / "logbook" if args.publish else Path(args.workdir) / "logbook"
     args.logbook = args.logbook or str(logbook / "demo.md")
     if args.record_dir is None:
@@ -166,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the DDP reference run failed: {e}", file=sys.stderr)
         return 1
 
-    rounds = f"rounds of {args.inner_steps} inner steps" if args.mode == "diloco" else "swarm epochs"
+    swarm_options = (["--mode", "diloco", "--overlap-rounds", "--matchmaking-time", str(DEMO_MATCHMAKING_SECONDS),
+                      *(["--round-seconds", f"{args.round_seconds:g}",
+                         *paced_schedule_flags(preset, args.epochs * args.round_seconds, ddp)] if paced else
+                        ["--inner-steps", str(args.inner_steps), *diloco_schedule_flags(preset, 2)])]
+                     if args.mode == "diloco" else ["--mode", "sync"])
+    rounds = ("swarm epochs" if args.mode == "sync" else f"rounds paced every {args.round_seconds:g} s" if paced
+              else f"rounds of {args.inner_steps} inner steps")
     print(f"HiveTrain demo: a coordinator and two peers on 127.0.0.1 train for {args.epochs} {rounds}"
           f" ({args.mode} mode). Full logs: {workdir}/", flush=True)
     roles: list[Process] = [_start_dashboard(workdir, args.dashboard_port)]
@@ -203,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: a peer failed (exit codes {codes}); see {workdir}/peer*.log", file=sys.stderr)
         return 1
     losses = [event["loss"] for event in peers[0].events("epoch") if event["loss"] is not None]
-    result = _measure(workdir, args.mode, args.inner_steps, wall_time, losses, started_unix)
+    result = _measure(workdir, args.mode, None if paced else args.inner_steps, wall_time, losses, started_unix)
+    result["round_seconds"] = args.round_seconds if paced else None
     result["ddp_samples_per_s"] = ddp
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
@@ -230,7 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _measure(workdir: Path, mode: str, inner_steps: int, wall_time: float, losses: list[float],
+def paced_schedule_flags(config: RunConfig, training_seconds: float, ddp_samples_per_s: float) -> list[str]:
+    """Coordinator flags for rounds paced in seconds: the preset's warmup and total steps stretched to the inner steps
+    one of two peers takes in `training_seconds` at the DDP reference's speed (2 processes, its samples/s), and never
+    fewer than the samples of the preset's schedule need (diloco_schedule_flags). A schedule that ends early would
+    leave the last rounds at a learning rate of nothing; one that ends late, as this does when the peers train slower
+    than DDP, ends the run before its last decay."""
+    preset_flags = diloco_schedule_flags(config, 2)
+    stretched_total = int(preset_flags[3])
+    total = max(stretched_total, round(training_seconds * ddp_samples_per_s / (2 * config.batch_size)))
+    warmup = round(int(preset_flags[1]) * total / stretched_total)
+    return ["--warmup-steps", str(warmup), "--total-steps", str(total)]
+
+
+def _measure(workdir: Path, mode: str, inner_steps: Optional[int], wall_time: float, losses: list[float],
              started_unix: float) -> dict:
     """The run's figures from the coordinator's metrics store and the peers' saved weights; `losses`: peer1's mean
     training loss of each swarm epoch (its events)."""
@@ -314,7 +349,8 @@ def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler
         utilisation=sampler.samples, best_checkpoint=r["best_checkpoint"],
         best_top1=round(r["best"]["top1"], 6), cpu_count=os.cpu_count(),
         notes=f"{r['mode']} mode"
-              + (f", {r['inner_steps']} inner steps per round" if r["mode"] == "diloco" else "")
+              + (f", rounds paced every {r['round_seconds']:g} s" if r.get("round_seconds")
+                 else f", {r['inner_steps']} inner steps per round" if r["mode"] == "diloco" else "")
               + "; peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
     ), record_dir)
 
@@ -331,9 +367,11 @@ def _write_logbook(path: Path, r: dict) -> None:
                       for v in r["validations"])
     contributions = "\n".join(f"| {name} | {samples} |" for name, samples in r["contributions"].items())
     schedule = RunConfig.from_dict(r["config"]).optim
-    mode = (f"diloco, {r['inner_steps']} inner steps per peer per round; schedule of {schedule.total_steps} inner steps"
-            f" ({schedule.warmup_steps} of warmup)" if r["mode"] == "diloco" else
-            f"sync, gradients averaged every {r['target_batch_size']} samples")
+    pace = (f"a round every {r['round_seconds']:g} s of the clock (its group looked for ahead), overlapped with the"
+            f" next inner steps" if r.get("round_seconds") else
+            f"{r['inner_steps']} inner steps per peer per round, overlapped with the next round's")
+    mode = (f"diloco, {pace}; schedule of {schedule.total_steps} inner steps ({schedule.warmup_steps} of warmup)"
+            if r["mode"] == "diloco" else f"sync, gradients averaged every {r['target_batch_size']} samples")
     share = "–" if r["swarm_time_share"] is None else f"{r['swarm_time_share']:.0%}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"""# Demo: a local swarm on digits
