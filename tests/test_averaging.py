@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
-from hivetrain.hivemind_internals import BoundedDownloads, RobustAveraging
+from hivetrain.hivemind_internals import BoundedDownloads, BoundedStateAverager, RobustAveraging
 from hivetrain.model import create_model
 from hivetrain.optimizer import make_optimizer
 from hivetrain.robust import RobustAggregation
@@ -250,3 +250,36 @@ def test_a_part_sent_before_its_group_is_triggered_here_waits_for_it():
             averager.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_holder_serves_no_epoch_whose_step_is_still_running():
+    """hivemind raises a holder's epoch before the epoch's optimizer step runs: a download in between was served
+    epoch 1 with the parameters of epoch 0, a state the holder never held (CI, test_rollback in sync mode). The
+    holder serves what it holds between two epochs only (ServesWholeEpochs)."""
+    in_step, armed = threading.Event(), threading.Event()
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            if armed.is_set():  # not hivemind's virtual step at start
+                in_step.set()
+                time.sleep(1.0)
+            return super().step(closure)
+
+    dht = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    parameter = torch.nn.Parameter(torch.zeros(4))
+    holder = BoundedStateAverager(optimizer=lambda params: SlowSGD(params, lr=1.0), params=[parameter], dht=dht,
+                                  prefix="whole_epoch_test", start=True)
+    try:
+        parameter.grad = torch.ones(4)
+        armed.set()
+        stepping = threading.Thread(target=holder.step, kwargs=dict(increment_epoch=True, optimizer_step=True))
+        stepping.start()
+        assert in_step.wait(30), "the optimizer step never ran"
+        assert holder.local_epoch == 1  # hivemind's order: the epoch first, then the step
+        metadata, tensors, _ = holder.get_current_state()
+        served = tensors[0].tolist()  # read now: hivemind serves the parameter itself, which the step changes later
+        stepping.join(30)
+        assert (metadata["epoch"], served) == (1, [-1.0] * 4)  # epoch 1's parameters, stepped
+    finally:
+        holder.shutdown()
+        dht.shutdown()

@@ -430,8 +430,33 @@ MAX_WARNED_KEYS = 4096
 _warned_until: dict = {}  # (peer, reason) -> time.monotonic() before which it is not warned about again
 
 
+class ServesWholeEpochs(TrainingStateAverager):
+    """A TrainingStateAverager that serves a state only between two epochs. hivemind raises `local_epoch` before the
+    epoch's optimizer step and state averaging round run (in its executor thread) and reads the epoch apart from the
+    tensors, so a download in between took epoch N + 1 with the parameters of epoch N, or those stepped but not yet
+    averaged: a state this peer never held at any epoch. A rolled-back peer of test_rollback (sync) loaded one such
+    from its groupmate, in CI, and its parameters matched nothing the groupmate had said it held. An epoch's step
+    (blocking: hivemind's defaults, and ours) now holds `_whole_epoch`, which the serving thread takes too; a
+    downloader waits out the step (a second or so; past its own timeout it asks the next holder). Delayed steps
+    (delay_optimizer_step, delay_state_averaging) finish after `step` returns, one epoch stale by hivemind's design."""
+
+    def __init__(self, *args, **kwargs):
+        self._whole_epoch = threading.Lock()  # before hivemind's __init__, which starts the serving thread
+        super().__init__(*args, **kwargs)
+
+    def step(self, *args, increment_epoch: bool = False, **kwargs):
+        if not increment_epoch:
+            return super().step(*args, **kwargs)
+        with self._whole_epoch:
+            return super().step(*args, increment_epoch=True, **kwargs)
+
+    def get_current_state(self):
+        with self._whole_epoch:
+            return super().get_current_state()
+
+
 @named_for_rpc_as(TrainingStateAverager)  # peers download the state and average under hivemind's name
-class BoundedStateAverager(TrainingStateAverager, BoundedDownloads):
+class BoundedStateAverager(ServesWholeEpochs, BoundedDownloads):
     """hivemind's TrainingStateAverager that takes from a downloaded state its parameters, statistics and epoch (up to
     `epoch_bound`), and nothing of its optimizer settings: hivemind loads the sender's param groups (learning rate,
     betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings are put
