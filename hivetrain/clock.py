@@ -48,6 +48,9 @@ class ClockRecord(BaseModel):
     run_id: StrictStr
     epoch: conint(strict=True, ge=0, le=INT64_MAX)  # the swarm epoch (diloco: outer round) by the coordinator's count
     time: StrictFloat
+    # The swarm epoch (diloco: round) of the state the coordinator's holder holds (0: none yet); None when it takes no
+    # states (it does not validate). A last peer keeps its state up until this reaches its own (hivetrain.hand_over).
+    held: Optional[conint(strict=True, ge=0, le=INT64_MAX)] = None
 
 
 def clock_rules(run_id: str) -> list[KeyRule]:
@@ -72,10 +75,12 @@ def swarm_epoch(previous: int, claims: list[int]) -> int:
     return max([previous, *(claim for claim in claims if claim <= previous + EPOCHS_AHEAD)])
 
 
-def publish_clock(dht: hivemind.DHT, run_id: str, epoch: int, ttl: float = CLOCK_TTL) -> bool:
-    """Store the coordinator's count, signed with this process's key (the coordinator's identity key)."""
+def publish_clock(dht: hivemind.DHT, run_id: str, epoch: int, held: Optional[int] = None,
+                  ttl: float = CLOCK_TTL) -> bool:
+    """Store the coordinator's count, and the epoch of the state it holds (ClockRecord.held), signed with this
+    process's key (the coordinator's identity key)."""
     guard_keys(dht, clock_rules(run_id))
-    record = ClockRecord(run_id=run_id, epoch=epoch, time=get_dht_time())
+    record = ClockRecord(run_id=run_id, epoch=epoch, time=get_dht_time(), held=held)
     return dht.store(clock_key(run_id), subkey=RSASignatureValidator().local_public_key, value=record.dict(),
                      expiration_time=get_dht_time() + ttl)
 

@@ -140,6 +140,7 @@ class DiLoCoRounds:
         self.matchmaking_time = matchmaking_time
         self.averaging_timeout, self.load_state_timeout = averaging_timeout, load_state_timeout
         self.withdrawn = False  # this peer's records are withdrawn: it is leaving
+        self.progress_withdrawn = False  # its progress record is (stop_training): its state offer may still be up
         self.outer = OuterState(
             self.parameters, dht, outer_state_prefix(run_id), outer_lr, outer_momentum, compression=compression,
             state_compression=state_compression, aggregation=aggregation,
@@ -412,11 +413,23 @@ class DiLoCoRounds:
             self.rounds_alone += 1
             logger.info(f"Outer round {round_}: alone")
 
+    def stop_training(self) -> None:
+        """Leaving, first step, once: withdraw this peer's progress record (the others stop counting it in their
+        rounds at their next look) and land the round in flight, so that the state it still offers (until withdraw)
+        is its last one."""
+        if not self.progress_withdrawn:
+            self.progress_withdrawn = True
+            withdraw_records(self.outer.dht, self.tracker, [])
+            self.cancel_scheduled()
+            self.finish_round(timeout=GROUPMATES_WAIT)
+
     def withdraw(self) -> None:
         """Withdraw this peer's records, once: the others stop counting it at their next look."""
         if not self.withdrawn:
             self.withdrawn = True
-            withdraw_records(self.outer.dht, self.tracker, [self.outer])
+            tracker = None if self.progress_withdrawn else self.tracker
+            self.progress_withdrawn = True
+            withdraw_records(self.outer.dht, tracker, [self.outer])
 
     def shutdown(self) -> None:
         """Leave: withdraw this peer's records (if not done at the first sign of leaving), let the groupmates of its

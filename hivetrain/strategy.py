@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from hivetrain.coordinator_watch import CoordinatorWatch
 from hivetrain.diloco import DiLoCoRounds
+from hivetrain.hand_over import hand_over_from
 from hivetrain.hivemind_internals import announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.robust import RobustAggregation
 from hivetrain.rollback import RollbackRecord, wait_for_state
@@ -96,6 +97,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.optimizer: Optional[hivemind.Optimizer] = None  # sync mode
         self.rounds: Optional[DiLoCoRounds] = None  # diloco mode
         self._withdrawn = False  # sync mode: this peer's records are withdrawn (diloco: rounds.withdrawn)
+        self._progress_withdrawn = False  # sync mode: its progress record is (stop_training_in_swarm)
         self._took_swarm_state = False  # the download at setup took a holder's state (catch_up_with_swarm)
         self._replaced: Optional[_ReplacedForSwarm] = None  # what setup replaced, put back at teardown
         self._watch: Optional[CoordinatorWatch] = None
@@ -204,7 +206,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.optimizer = wrap_optimizer(self.options, self.dht, self.optimizers[0], schedulers[0] if schedulers else None)
         if self._watch is not None:
             self._watch.bound(self.optimizer.tracker, self.optimizer.state_averager)
-        self._withdrawn = False
+        self._withdrawn = self._progress_withdrawn = False
         # The scheduler now steps inside hivemind, once per swarm epoch: Lightning must not step it per batch.
         self.lr_scheduler_configs = []
         self.optimizers = [self.optimizer]
@@ -267,15 +269,33 @@ class HivemindStrategy(SingleDeviceStrategy):
             optimizer.state.clear()  # the inner statistics belong to the training that went wrong, or went alone
             self._follow_swarm_schedule(in_optimizer_step=True)
 
+    def stop_training_in_swarm(self) -> None:
+        """Leaving, first step: withdraw this peer's progress record, so the others stop counting it in their rounds
+        at their next look, and land a diloco round in flight. Its offer to share its state stays up (hand_over_state)
+        until leave_swarm. Call it at the first sign of leaving (SwarmProgress does, before its goodbye record)."""
+        if self.rounds is not None:
+            self.rounds.stop_training()
+        elif self.optimizer is not None and not self._progress_withdrawn:
+            self._progress_withdrawn = True
+            withdraw_records(self.dht, self.optimizer.tracker, [])
+
+    def hand_over_state(self, report: Callable[[str], None]) -> Optional[bool]:
+        """After the goodbye record: when no other peer trains, keep this peer's state up until the coordinator holds
+        it (hivetrain.hand_over, whose answer this is). A peer in client mode serves no state: nothing to wait for."""
+        epoch = self.rounds.outer.round if self.rounds is not None else self.local_epoch  # that of the state served
+        return hand_over_from(self.dht, self.options.run_id, epoch, self._watch, report)
+
     def leave_swarm(self) -> None:
         """Withdraw this peer's records now, once: the others stop counting it at their next look, and no longer wait
-        on it, group with it or download from it. Call it at the first sign of leaving (peers/join.py's SwarmProgress
-        does, before its goodbye record); teardown calls it too. hivemind's own goodbye does not wait for the DHT."""
+        on it, group with it or download from it. SwarmProgress calls it once the state is handed over; teardown calls
+        it too. hivemind's own goodbye does not wait for the DHT."""
         if self.rounds is not None:
             self.rounds.withdraw()
         elif self.optimizer is not None and not self._withdrawn:
             self._withdrawn = True
-            withdraw_records(self.dht, self.optimizer.tracker, [self.optimizer.state_averager])
+            tracker = None if self._progress_withdrawn else self.optimizer.tracker
+            self._progress_withdrawn = True
+            withdraw_records(self.dht, tracker, [self.optimizer.state_averager])
 
     @override
     def on_exception(self, exception: BaseException) -> None:

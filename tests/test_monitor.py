@@ -149,3 +149,24 @@ def test_validator_survives_failed_downloads_and_keeps_the_best(tmp_path, caplog
     saved = load_checkpoint(tmp_path / "checkpoints")
     assert saved.epoch == 2
     assert evaluate(saved.build_model(), loader)["top1"] == validation.top1
+
+
+def test_once_no_peer_trains_the_validator_takes_and_validates_the_newest_state_whatever_every_says(tmp_path):
+    """The last peers keep their state up for the coordinator before they leave (hivetrain.hand_over): it downloads
+    that state once its look finds no peer training, though no validation is due, and validates it, once."""
+    loader = make_datamodule(CONFIG, val_limit=64).val_dataloader()
+    holder = FlakyHolder(failures=3)  # each download moves it 2 epochs on; the first 3 fail
+    swarm_epoch, emptied = [2], [False]
+    with MetricsWriter(tmp_path / "metrics.sqlite") as writer:
+        validator = Validator(holder, loader, writer, LocalCheckpointStore(tmp_path / "checkpoints"),
+                              swarm_epoch=lambda: swarm_epoch[0], every=10, backoff=0.01, report=lambda line: None,
+                              swarm_emptied=lambda: emptied[0])
+        assert validator.tick() is None and validator.tick() is None  # 3 attempts failed: it waits for news
+        emptied[0] = True  # the news: the last peers wait for this coordinator to take their state
+        assert validator.tick().epoch == 2
+        emptied[0], swarm_epoch[0] = False, 4
+        assert validator.tick() is None and holder.epoch == 2  # 2 epochs on, with 10 between validations
+        emptied[0] = True
+        row = validator.tick()
+        assert row is not None and row.epoch == holder.epoch == 4
+        assert validator.tick() is None and holder.epoch == 4  # nothing newer: no second download or validation

@@ -20,6 +20,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 DEFAULT_PORT = 31337
 
@@ -439,10 +440,18 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
         validator = Validator(holder, loader, writer, checkpoints, every=args.validate_every, device=device,
                               swarm_epoch=lambda: monitor.latest.epoch if monitor.latest else 0,
                               loggers=loggers, report=say,
-                              rollback_drop=args.rollback_drop, publish_rollback=roll_back)
+                              rollback_drop=args.rollback_drop, publish_rollback=roll_back,
+                              swarm_emptied=lambda: monitor.latest is not None and monitor.latest.alive_peers == 0)
         validation = threading.Thread(target=validator.run, args=(stop,), name="validator", daemon=True)
+    def held() -> Optional[int]:
+        """The epoch of the state the holder holds, in the clock: only a coordinator that validates takes states."""
+        if validation is None:
+            return None
+        return holder.epoch if holder.has_state else 0
+
     try:
         next_publish = next_refresh = 0.0
+        published_held: Optional[int] = None
         refused, next_refusal_warning = 0, 0.0
         while True:
             now = time.monotonic()
@@ -467,13 +476,19 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
             if now >= next_refresh:
                 look_started = time.perf_counter()
                 snapshot = monitor.refresh()
-                publish_clock(dht, config.run_id, snapshot.epoch)  # the bound on what the peers may claim
+                # the bound on what the peers may claim, and the state this coordinator holds
+                published_held = held()
+                publish_clock(dht, config.run_id, snapshot.epoch, published_held)
                 looked = time.perf_counter() - look_started
                 say(status_line(snapshot, looked))
                 events("look", epoch=snapshot.epoch, seconds=looked, states_served=holder.states_served)
                 if validation is not None and validation.ident is None:
                     validation.start()  # after the first look: it needs to know where the swarm is
                 next_refresh = now + args.refresh
+            elif monitor.latest is not None and held() != published_held:
+                # a last peer waits for this to leave (hivetrain.hand_over): at once, not at the next look
+                published_held = held()
+                publish_clock(dht, config.run_id, monitor.latest.epoch, published_held)
             time.sleep(0.2)
             raise_if_leaving()
     finally:

@@ -32,21 +32,29 @@ class Validator:
     not finite, rolls the swarm back: the holder serves the best checkpoint's state again, numbered ROUNDS_AHEAD
     swarm epochs ahead of the swarm (peers take no state older than theirs, and the epochs keep counting forward), and
     `publish_rollback` gets the signed record's content for the peers.
+
+    When `swarm_emptied()` says no peer trains any more, the newest state is downloaded and validated whatever
+    `every` says: the last peers keep it up for this coordinator before they leave (hivetrain.hand_over), and a run's
+    last state is then held, served to the next joiner, and validated.
     """
 
     def __init__(self, holder, loader: DataLoader, writer: MetricsWriter, checkpoints: CheckpointStore,
                  swarm_epoch: Callable[[], int], every: int = 1, device: str = "cpu", loggers: Sequence = (),
                  attempts: int = 3, backoff: float = 1.0, report: Callable[[str], None] = print,
                  rollback_drop: Optional[float] = None,
-                 publish_rollback: Callable[[RollbackRecord], None] = lambda record: None):
+                 publish_rollback: Callable[[RollbackRecord], None] = lambda record: None,
+                 swarm_emptied: Callable[[], bool] = lambda: False):
         self.holder, self.loader, self.writer, self.checkpoints = holder, loader, writer, checkpoints
         self.swarm_epoch, self.every, self.device, self.loggers = swarm_epoch, every, device, loggers
         self.attempts, self.backoff, self.report = attempts, backoff, report
         self.rollback_drop, self.publish_rollback = rollback_drop, publish_rollback
+        self.swarm_emptied = swarm_emptied
         self.validated: Optional[int] = None  # the epoch of the last validation
         # A restarted coordinator keeps beating the best it saved before, not merely its first validation.
         self.best_top1: Optional[float] = max((e.top1 for e in checkpoints.list() if e.top1 is not None), default=None)
-        self._failed_at: Optional[int] = None  # the swarm epoch of the last failed download: wait for a newer one
+        # (swarm epoch, swarm emptied) of the last failed download: wait for a newer epoch, or for the swarm to empty
+        # (its last peers then keep their state up for this coordinator: hivetrain.hand_over)
+        self._failed_at: Optional[tuple[int, bool]] = None
 
     def run(self, stop: threading.Event, poll: float = 1.0) -> None:
         while not stop.is_set():
@@ -54,21 +62,23 @@ class Validator:
                 self.tick()
             except Exception:  # the loop outlives anything one validation does wrong; the traceback says what
                 logger.exception("Validation failed; trying again at the next epoch")
-                self._failed_at = self.swarm_epoch()
+                self._failed_at = (self.swarm_epoch(), self.swarm_emptied())
             stop.wait(poll)
 
     def tick(self) -> Optional[ValidationRow]:
-        """One look at the swarm: download and validate when a state `every` epochs newer than the last exists."""
-        swarm_epoch = self.swarm_epoch()
-        due = self.validated is None or swarm_epoch >= self.validated + self.every
-        if due and swarm_epoch > self.holder.epoch and swarm_epoch != self._failed_at:
-            if not self._load(swarm_epoch):
+        """One look at the swarm: download and validate when a state `every` epochs newer than the last exists, or
+        any newer one once no peer trains."""
+        swarm_epoch, emptied = self.swarm_epoch(), self.swarm_emptied()
+        due = emptied or self.validated is None or swarm_epoch >= self.validated + self.every
+        if due and swarm_epoch > self.holder.epoch and (swarm_epoch, emptied) != self._failed_at:
+            if not self._load(swarm_epoch, emptied):
                 return None
-        if not self.holder.has_state or (self.validated is not None and self.holder.epoch < self.validated + self.every):
+        if not self.holder.has_state or self.validated is not None and (
+                self.holder.epoch <= self.validated if emptied else self.holder.epoch < self.validated + self.every):
             return None
         return self.validate()
 
-    def _load(self, swarm_epoch: int) -> bool:
+    def _load(self, swarm_epoch: int, emptied: bool) -> bool:
         for attempt in range(1, self.attempts + 1):
             try:
                 if self.holder.load_from_peers():
@@ -81,7 +91,7 @@ class Validator:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
         logger.warning(f"Could not load the swarm's state at epoch {swarm_epoch} after {self.attempts} attempts"
                        f" ({problem}); trying again at the next epoch")
-        self._failed_at = swarm_epoch
+        self._failed_at = (swarm_epoch, emptied)
         return False
 
     def validate(self) -> ValidationRow:

@@ -84,12 +84,19 @@ class SwarmProgress(pl.Callback):
 
     def _finish(self, trainer: pl.Trainer) -> None:
         self._stop_publishing.set()
-        # The others stop counting this peer first (its rounds, groups and state downloads): the goodbye below can take
-        # a while, and Lightning reaches the strategy's own hooks only after every callback's.
+        # The others stop counting this peer in their rounds first: the goodbye below can take a while, and Lightning
+        # reaches the strategy's own hooks only after every callback's. Its state offer stays up for now.
         if trainer.is_global_zero:
-            trainer.strategy.leave_swarm()
+            trainer.strategy.stop_training_in_swarm()
         # the monitor sees every sample and second this peer contributed, and counts it out at its next look
         self._publish(trainer, wait=True, left=True)
+        if trainer.is_global_zero:
+            # read after the goodbye is stored: of peers leaving together, the last to store one waits
+            epoch, started = trainer.strategy.local_epoch, time.monotonic()
+            held = trainer.strategy.hand_over_state(report=lambda line: print(line, flush=True))
+            if held is not None:
+                self.events("hand_over", epoch=epoch, held=held, seconds=time.monotonic() - started)
+            trainer.strategy.leave_swarm()
 
     def _measure_time(self, trainer: pl.Trainer) -> None:
         if self._train_started is not None and trainer.strategy.tracker is not None:
