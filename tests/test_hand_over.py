@@ -37,8 +37,8 @@ def test_a_last_peer_waits_until_the_coordinator_holds_its_state():
         return _clock(7 if len(reads) >= 3 else 5)
 
     assert hand_over_state(7, read_clock, lambda: False, lines.append, timeout=30, now=_now) is True
-    assert lines == ["Handing this peer's state (swarm epoch 7) to the coordinator before leaving: no other peer trains,"
-                     " and the coordinator holds swarm epoch 5 (up to 30 s; Ctrl-C leaves now)",
+    assert lines == ["Handing this peer's state (swarm epoch 7) to the coordinator before leaving: no other peer"
+                     " trains, and the coordinator holds swarm epoch 5 (up to 30 s; Ctrl-C leaves now)",
                      "The coordinator holds this peer's last state (swarm epoch 7)"]
     assert len(reads) == 3
 
@@ -65,7 +65,8 @@ def test_a_coordinator_that_stops_publishing_ends_the_wait():
     assert len(reads) == 3
 
 
-MODES = {"sync": ["--mode", "sync"], "diloco-overlapped": ["--mode", "diloco", "--inner-steps", "8", "--overlap-rounds"]}
+MODES = {"sync": ["--mode", "sync"],
+         "diloco-overlapped": ["--mode", "diloco", "--inner-steps", "8", "--overlap-rounds"]}
 
 
 @pytest.mark.parametrize("mode", MODES)
