@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def git_commit(short: bool = False) -> str:
     """The commit a page's figures were measured at (`git rev-parse HEAD`), marked when the working tree has
-    uncommitted changes to tracked files: a figure from such a tree comes from no commit."""
+    uncommitted changes to tracked files: a figure from such a tree comes from no commit. The logbook's own pages are
+    outputs, not inputs: `make logbook` writes the demo's before the tests that write the reliability page run."""
     try:
         head = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, check=True)
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                 capture_output=True, text=True, check=True)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!logbook"],
+                                 cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git repository here: pass --commit)"
     return head.stdout.strip() + (" with uncommitted changes" if changed.stdout.strip() else "")

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from benchmarks import bench, report
+from benchmarks import bench, harness, report
 
 
 def smoke(suite: str) -> tuple[dict, str]:
@@ -186,3 +186,25 @@ def test_rollback_recovery_counts_from_the_first_poisoned_state_to_the_last_peer
     missed = rollback_recovery([96.0], [], [dict(epochs=epochs((4, 104.0)), rollbacks=[])], from_round=3)
     assert missed == dict(rollbacks=0, fell_to=None, restored_top1=None, detected_s=None, reloaded_s=None,
                           recovery_s=None, validation_interval_s=None)
+
+
+def test_a_page_names_its_commit_and_marks_changed_code_not_its_own_pages(tmp_path, monkeypatch):
+    """`make logbook` writes the demo's page before the tests that write the reliability page: those pages are the
+    command's outputs, and the reliability page named its commit "with uncommitted changes" for them."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "logbook").mkdir()
+    (tmp_path / "code.py").write_text("a = 1\n")
+    (tmp_path / "logbook" / "demo.md").write_text("first\n")
+    git("add", ".")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(harness, "ROOT", tmp_path)
+    head = git("rev-parse", "HEAD")
+    assert harness.git_commit() == head
+    (tmp_path / "logbook" / "demo.md").write_text("second\n")
+    assert harness.git_commit() == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert harness.git_commit() == f"{head} with uncommitted changes"
