@@ -390,6 +390,22 @@ def wait_until_marked_left(store: Path, names: list[str], timeout: float) -> Non
         time.sleep(0.5)
 
 
+def wait_until_validated(store: Path, epoch: int, timeout: float) -> bool:
+    """Wait until the coordinator's store holds a validation of swarm epoch `epoch` or later; whether it did within
+    `timeout` seconds. The last peers leave once the coordinator holds their state (hivetrain.hand_over), before it
+    has validated it."""
+    from hivetrain.metrics_store import MetricsReader
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with MetricsReader(store) as reader:
+            if any(validation.epoch >= epoch for validation in reader.validations()):
+                return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+
+
 def evaluate_weights(paths: list[Path]) -> list[float]:
     """Validation top-1 of weights saved by peers (--save-weights), on the demo preset's whole validation split."""
     import dataclasses

@@ -24,7 +24,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's tools are not installed
 
 from benchmarks.harness import (ROOT, Process, git_commit, run_baseline, start_coordinator, start_peer,
-                                wait_until_marked_left)
+                                wait_until_marked_left, wait_until_validated)
 from hivetrain.config import (MAX_ROUND_SECONDS, MIN_ROUND_SECONDS, SWARM_MODES, RunConfig, diloco_schedule_flags,
                               get_preset)
 from hivetrain.sampling import PeriodicSampler
@@ -214,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop()
         # the figures read from the store afterwards are the peers' last: the monitor has read their goodbyes
         wait_until_marked_left(workdir / "metrics.sqlite", ["peer1", "peer2"], timeout=30)
+        # the last peers left once the coordinator held their state, which it validates meanwhile: the page shows it
+        handed = [event["epoch"] for peer in peers for event in peer.events("hand_over") if event["held"]]
+        if handed and not wait_until_validated(workdir / "metrics.sqlite", max(handed), timeout=60):
+            print(f"The coordinator did not validate the swarm's last state (epoch {max(handed)}) within 60 s: the"
+                  f" figures below stop at its validation before", flush=True)
     except KeyboardInterrupt:
         print("Stopping the demo.", flush=True)
         return 130
