@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from hivetrain.coordinator_watch import CoordinatorWatch
 from hivetrain.diloco import DiLoCoRounds
-from hivetrain.hand_over import hand_over_from
+from hivetrain.hand_over import HAND_OVER_TIMEOUT, hand_over_from
 from hivetrain.hivemind_internals import announce_and_count_peers
 from hivetrain.rollback import RollbackRecord, wait_for_state
 from hivetrain.strategy import (advance_schedules, make_rounds, refuse_what_a_swarm_cannot_train,
@@ -226,12 +226,12 @@ class DiLoCoDDPStrategy(DDPStrategy):
         if self.rounds is not None:
             self.rounds.stop_training()
 
-    def hand_over_state(self, report: Callable[[str], None]) -> Optional[bool]:
+    def hand_over_state(self, report: Callable[[str], None], timeout: float = HAND_OVER_TIMEOUT) -> Optional[bool]:
         """Rank 0 keeps this peer's state up until the coordinator holds it, when no other peer trains
         (HivemindStrategy.hand_over_state)."""
         if self.rounds is None:
             return None
-        return hand_over_from(self.dht, self.options.run_id, self.rounds.outer.round, self._watch, report)
+        return hand_over_from(self.dht, self.options.run_id, self.rounds.outer.round, self._watch, report, timeout)
 
     def leave_swarm(self) -> None:
         """Rank 0 withdraws this peer's records now, once (HivemindStrategy.leave_swarm); other ranks hold none."""

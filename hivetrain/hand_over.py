@@ -27,6 +27,9 @@ from hivetrain.coordinator_watch import CoordinatorWatch
 from hivetrain.telemetry import read_peer_records
 
 HAND_OVER_TIMEOUT = 60.0  # seconds a last peer keeps its state up for the coordinator at most
+# ... when it leaves on Ctrl-C or SIGTERM: a notebook's stop button, a test's teardown, a machine shutting down give a
+# process some grace before they kill it; a coordinator's look (10 s by default) and its download fit in this
+HAND_OVER_TIMEOUT_INTERRUPTED = 20.0
 HAND_OVER_POLL = 0.5  # seconds between two reads of the coordinator's clock meanwhile
 
 logger = logging.getLogger(__name__)
@@ -77,11 +80,11 @@ def hand_over_state(epoch: int, read_clock: Callable[[], Optional[ClockRecord]],
 
 
 def hand_over_from(dht: hivemind.DHT, run_id: str, epoch: int, watch: Optional[CoordinatorWatch],
-                   report: Callable[[str], None]) -> Optional[bool]:
+                   report: Callable[[str], None], timeout: float = HAND_OVER_TIMEOUT) -> Optional[bool]:
     """hand_over_state for a peer on `dht` whose state is of swarm epoch (round) `epoch`, watching its coordinator
     with `watch`. None without a coordinator to hand it to, or in client mode: nobody can dial such a peer, so it
     serves no state."""
     if watch is None or dht.client_mode:
         return None
     own = dht.peer_id.to_base58()
-    return hand_over_state(epoch, watch.clock.read, lambda: others_training(dht, run_id, own), report)
+    return hand_over_state(epoch, watch.clock.read, lambda: others_training(dht, run_id, own), report, timeout)

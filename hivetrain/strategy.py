@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from hivetrain.coordinator_watch import CoordinatorWatch
 from hivetrain.diloco import DiLoCoRounds
-from hivetrain.hand_over import hand_over_from
+from hivetrain.hand_over import HAND_OVER_TIMEOUT, hand_over_from
 from hivetrain.hivemind_internals import announce_and_count_peers, ask_cuda_availability_once
 from hivetrain.robust import RobustAggregation
 from hivetrain.rollback import RollbackRecord, wait_for_state
@@ -279,11 +279,12 @@ class HivemindStrategy(SingleDeviceStrategy):
             self._progress_withdrawn = True
             withdraw_records(self.dht, self.optimizer.tracker, [])
 
-    def hand_over_state(self, report: Callable[[str], None]) -> Optional[bool]:
+    def hand_over_state(self, report: Callable[[str], None], timeout: float = HAND_OVER_TIMEOUT) -> Optional[bool]:
         """After the goodbye record: when no other peer trains, keep this peer's state up until the coordinator holds
-        it (hivetrain.hand_over, whose answer this is). A peer in client mode serves no state: nothing to wait for."""
+        it, `timeout` seconds at most (hivetrain.hand_over, whose answer this is). A peer in client mode serves no
+        state: nothing to wait for."""
         epoch = self.rounds.outer.round if self.rounds is not None else self.local_epoch  # that of the state served
-        return hand_over_from(self.dht, self.options.run_id, epoch, self._watch, report)
+        return hand_over_from(self.dht, self.options.run_id, epoch, self._watch, report, timeout)
 
     def leave_swarm(self) -> None:
         """Withdraw this peer's records now, once: the others stop counting it at their next look, and no longer wait

@@ -82,11 +82,13 @@ def test_a_peer_that_says_goodbye_or_lapses_is_counted_out_and_marked_left(tmp_p
             # the same peer back (a restart with its identity): in again
             publish_peer_record(peer, CONFIG.run_id, _record("alice", 640), wait=True)
             assert look() == (1, [("alice", 640, False)])
+            assert monitor.last_peers_epoch is None  # a peer trains
             # a clean leave: the last record carries the last samples and says so; counted out at the next look,
             # and the epoch it reached on its way out (its progress record already gone) is the swarm's
             publish_peer_record(peer, CONFIG.run_id, _record("alice", 704, epoch=7, left=True), wait=True)
             assert look() == (0, [("alice", 704, True)])
             assert monitor.latest.epoch == 7
+            assert monitor.last_peers_epoch == 7  # what the last peer keeps up for the coordinator (hand_over)
     finally:
         coordinator.shutdown()
         peer.shutdown()
@@ -151,22 +153,26 @@ def test_validator_survives_failed_downloads_and_keeps_the_best(tmp_path, caplog
     assert evaluate(saved.build_model(), loader)["top1"] == validation.top1
 
 
-def test_once_no_peer_trains_the_validator_takes_and_validates_the_newest_state_whatever_every_says(tmp_path):
+def test_once_no_peer_trains_the_validator_takes_and_validates_the_last_peers_state_whatever_every_says(tmp_path):
     """The last peers keep their state up for the coordinator before they leave (hivetrain.hand_over): it downloads
-    that state once its look finds no peer training, though no validation is due, and validates it, once."""
+    that state once its look finds no peer training, though no validation is due, and validates it, once; also when
+    their epoch is beyond its count (a rollback's state is served ahead of it)."""
     loader = make_datamodule(CONFIG, val_limit=64).val_dataloader()
     holder = FlakyHolder(failures=3)  # each download moves it 2 epochs on; the first 3 fail
-    swarm_epoch, emptied = [2], [False]
+    swarm_epoch, last_peers = [2], [None]
     with MetricsWriter(tmp_path / "metrics.sqlite") as writer:
         validator = Validator(holder, loader, writer, LocalCheckpointStore(tmp_path / "checkpoints"),
                               swarm_epoch=lambda: swarm_epoch[0], every=10, backoff=0.01, report=lambda line: None,
-                              swarm_emptied=lambda: emptied[0])
+                              last_peers_epoch=lambda: last_peers[0])
         assert validator.tick() is None and validator.tick() is None  # 3 attempts failed: it waits for news
-        emptied[0] = True  # the news: the last peers wait for this coordinator to take their state
+        last_peers[0] = 2  # the news: the last peers left at epoch 2 and wait for this coordinator to take it
         assert validator.tick().epoch == 2
-        emptied[0], swarm_epoch[0] = False, 4
+        last_peers[0], swarm_epoch[0] = None, 4
         assert validator.tick() is None and holder.epoch == 2  # 2 epochs on, with 10 between validations
-        emptied[0] = True
+        last_peers[0] = 4
         row = validator.tick()
         assert row is not None and row.epoch == holder.epoch == 4
         assert validator.tick() is None and holder.epoch == 4  # nothing newer: no second download or validation
+        last_peers[0] = 6  # the count stays at 4, the last peers went on from a rollback's state served as epoch 5
+        row = validator.tick()
+        assert row is not None and row.epoch == holder.epoch == 6

@@ -441,7 +441,7 @@ def _serve(args, config, dht, writer, checkpoints, loader, resume, device, log_d
                               swarm_epoch=lambda: monitor.latest.epoch if monitor.latest else 0,
                               loggers=loggers, report=say,
                               rollback_drop=args.rollback_drop, publish_rollback=roll_back,
-                              swarm_emptied=lambda: monitor.latest is not None and monitor.latest.alive_peers == 0)
+                              last_peers_epoch=lambda: monitor.last_peers_epoch)
         validation = threading.Thread(target=validator.run, args=(stop,), name="validator", daemon=True)
     def held() -> Optional[int]:
         """The epoch of the state the holder holds, in the clock: only a coordinator that validates takes states."""

@@ -29,6 +29,10 @@ class SwarmMonitor:
         self.start_epoch = start_epoch  # a resumed run starts at its checkpoint's epoch
         self.latest: Optional[SwarmSnapshot] = None
         self.owners = PeerIdOwners()  # one row per peer ID, written by the key that first claimed it
+        # Once no peer trains: the newest epoch the last look's goodbye records claim, whose state their writers keep
+        # up for the coordinator (hivetrain.hand_over); None while any peer trains. A lone claim, beyond the count
+        # after a rollback (served ahead of it), or anything a writer liked: the download is bounded all the same.
+        self.last_peers_epoch: Optional[int] = None
 
     @property
     def epoch(self) -> int:
@@ -60,7 +64,9 @@ class SwarmMonitor:
         # A leaver's last record still says how far the swarm got: peers that stop at an epoch withdraw their
         # progress records within a second of reaching it, often before this look could read them.
         reached = swarm_epoch(counted, [r.epoch for r in records])  # no one record sets it (hivetrain.clock)
+        leaving = [r.epoch for r in records if r.left]
         records = [r for r in records if not r.left]
+        self.last_peers_epoch = max(leaving) if leaving and not records else None
         # What the peers really train per wall-clock second, rounds and state downloads included: each peer's record
         # counts its samples between two records over the time between them. (hivemind's progress records carry a
         # compute-only rate that leaves the rounds out: on the sync demo about 20 times what the peers trained.)

@@ -33,9 +33,10 @@ class Validator:
     swarm epochs ahead of the swarm (peers take no state older than theirs, and the epochs keep counting forward), and
     `publish_rollback` gets the signed record's content for the peers.
 
-    When `swarm_emptied()` says no peer trains any more, the newest state is downloaded and validated whatever
-    `every` says: the last peers keep it up for this coordinator before they leave (hivetrain.hand_over), and a run's
-    last state is then held, served to the next joiner, and validated.
+    When `last_peers_epoch()` says no peer trains any more, and the last ones left at that epoch, their state is
+    downloaded and validated whatever `every` says: they keep it up for this coordinator before they leave
+    (hivetrain.hand_over), and a run's last state is then held, served to the next joiner, and validated. Their epoch
+    may be beyond the swarm's count: a rollback's state is served ahead of it.
     """
 
     def __init__(self, holder, loader: DataLoader, writer: MetricsWriter, checkpoints: CheckpointStore,
@@ -43,12 +44,12 @@ class Validator:
                  attempts: int = 3, backoff: float = 1.0, report: Callable[[str], None] = print,
                  rollback_drop: Optional[float] = None,
                  publish_rollback: Callable[[RollbackRecord], None] = lambda record: None,
-                 swarm_emptied: Callable[[], bool] = lambda: False):
+                 last_peers_epoch: Callable[[], Optional[int]] = lambda: None):
         self.holder, self.loader, self.writer, self.checkpoints = holder, loader, writer, checkpoints
         self.swarm_epoch, self.every, self.device, self.loggers = swarm_epoch, every, device, loggers
         self.attempts, self.backoff, self.report = attempts, backoff, report
         self.rollback_drop, self.publish_rollback = rollback_drop, publish_rollback
-        self.swarm_emptied = swarm_emptied
+        self.last_peers_epoch = last_peers_epoch
         self.validated: Optional[int] = None  # the epoch of the last validation
         # A restarted coordinator keeps beating the best it saved before, not merely its first validation.
         self.best_top1: Optional[float] = max((e.top1 for e in checkpoints.list() if e.top1 is not None), default=None)
@@ -62,13 +63,13 @@ class Validator:
                 self.tick()
             except Exception:  # the loop outlives anything one validation does wrong; the traceback says what
                 logger.exception("Validation failed; trying again at the next epoch")
-                self._failed_at = (self.swarm_epoch(), self.swarm_emptied())
+                self._failed_at = self._newest()
             stop.wait(poll)
 
     def tick(self) -> Optional[ValidationRow]:
         """One look at the swarm: download and validate when a state `every` epochs newer than the last exists, or
         any newer one once no peer trains."""
-        swarm_epoch, emptied = self.swarm_epoch(), self.swarm_emptied()
+        swarm_epoch, emptied = self._newest()
         due = emptied or self.validated is None or swarm_epoch >= self.validated + self.every
         if due and swarm_epoch > self.holder.epoch and (swarm_epoch, emptied) != self._failed_at:
             if not self._load(swarm_epoch, emptied):
@@ -77,6 +78,13 @@ class Validator:
                 self.holder.epoch <= self.validated if emptied else self.holder.epoch < self.validated + self.every):
             return None
         return self.validate()
+
+    def _newest(self) -> tuple[int, bool]:
+        """The newest epoch there is a state of, and whether no peer trains any more (its last peers' then)."""
+        swarm_epoch, last_peers = self.swarm_epoch(), self.last_peers_epoch()
+        if last_peers is None:
+            return swarm_epoch, False
+        return max(swarm_epoch, last_peers), True
 
     def _load(self, swarm_epoch: int, emptied: bool) -> bool:
         for attempt in range(1, self.attempts + 1):

@@ -16,6 +16,7 @@ import torch
 
 from hivetrain.digests import tensors_digest
 from hivetrain.events import EventLog
+from hivetrain.hand_over import HAND_OVER_TIMEOUT, HAND_OVER_TIMEOUT_INTERRUPTED
 from hivetrain.swarm import raise_if_leaving
 from hivetrain.telemetry import PUBLISH_EVERY, PeerRecord, finite_or_none, publish_peer_record
 
@@ -80,9 +81,9 @@ class SwarmProgress(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_publishing.set()
         if isinstance(exception, KeyboardInterrupt):  # Ctrl-C or SIGTERM: Lightning skips on_train_end then
-            self._finish(trainer)
+            self._finish(trainer, hand_over_timeout=HAND_OVER_TIMEOUT_INTERRUPTED)
 
-    def _finish(self, trainer: pl.Trainer) -> None:
+    def _finish(self, trainer: pl.Trainer, hand_over_timeout: float = HAND_OVER_TIMEOUT) -> None:
         self._stop_publishing.set()
         # The others stop counting this peer in their rounds first: the goodbye below can take a while, and Lightning
         # reaches the strategy's own hooks only after every callback's. Its state offer stays up for now.
@@ -93,7 +94,8 @@ class SwarmProgress(pl.Callback):
         if trainer.is_global_zero:
             # read after the goodbye is stored: of peers leaving together, the last to store one waits
             epoch, started = trainer.strategy.local_epoch, time.monotonic()
-            held = trainer.strategy.hand_over_state(report=lambda line: print(line, flush=True))
+            held = trainer.strategy.hand_over_state(report=lambda line: print(line, flush=True),
+                                                    timeout=hand_over_timeout)
             if held is not None:
                 self.events("hand_over", epoch=epoch, held=held, seconds=time.monotonic() - started)
             trainer.strategy.leave_swarm()
