@@ -431,24 +431,37 @@ _warned_until: dict = {}  # (peer, reason) -> time.monotonic() before which it i
 
 
 class ServesWholeEpochs(TrainingStateAverager):
-    """A TrainingStateAverager that serves a state only between two epochs. hivemind raises `local_epoch` before the
-    epoch's optimizer step and state averaging round run (in its executor thread) and reads the epoch apart from the
-    tensors, so a download in between took epoch N + 1 with the parameters of epoch N, or those stepped but not yet
-    averaged: a state this peer never held at any epoch. A rolled-back peer of test_rollback (sync) loaded one such
-    from its groupmate, in CI, and its parameters matched nothing the groupmate had said it held. An epoch's step
-    (blocking: hivemind's defaults, and ours) now holds `_whole_epoch`, which the serving thread takes too; a
-    downloader waits out the step (a second or so; past its own timeout it asks the next holder). Delayed steps
-    (delay_optimizer_step, delay_state_averaging) finish after `step` returns, one epoch stale by hivemind's design."""
+    """A TrainingStateAverager that never serves a new epoch with the parameters of the one before. hivemind raises
+    `local_epoch` before the epoch's optimizer step runs (in its executor thread) and reads the epoch apart from the
+    tensors, so a download in between took epoch N + 1 with the parameters of epoch N, a state this peer never held.
+    A rolled-back peer of test_rollback (sync) likely loaded one from its groupmate in CI: its parameters matched
+    nothing the groupmate had said it held.
+
+    An epoch's step (blocking: hivemind's default, and ours) runs here as two of hivemind's steps: the new epoch and
+    its optimizer step, holding `_whole_epoch`, which the serving thread takes too (a downloader waits for a local
+    optimizer step, a fraction of a second); then the state averaging round, without it. Held across the round, it
+    kept a holder from serving for as long as its group took to form: a peer back from a cut found no holder that
+    answered within its timeout (tests/test_faults.py). Between its optimizer step and the round's end a holder
+    serves its own stepped parameters, as hivemind did. A delayed optimizer step (delay_optimizer_step) finishes after
+    `step` returns: one epoch stale by hivemind's design, and left as hivemind runs it."""
 
     def __init__(self, *args, **kwargs):
         self._whole_epoch = threading.Lock()  # before hivemind's __init__, which starts the serving thread
         super().__init__(*args, **kwargs)
 
-    def step(self, *args, increment_epoch: bool = False, **kwargs):
-        if not increment_epoch:
-            return super().step(*args, **kwargs)
+    def step(self, increment_epoch: bool = False, optimizer_step: bool = False, delay_optimizer_step: bool = False,
+             averaging_round: bool = False, delay_averaging: Optional[bool] = None,
+             averaging_control: Optional[StepControl] = None, averaging_opts: Optional[dict] = None, **kwargs):
+        averaging = dict(averaging_round=averaging_round, delay_averaging=delay_averaging,
+                         averaging_control=averaging_control, averaging_opts=averaging_opts)
+        if not (increment_epoch and optimizer_step) or delay_optimizer_step:
+            return super().step(increment_epoch=increment_epoch, optimizer_step=optimizer_step,
+                                delay_optimizer_step=delay_optimizer_step, **averaging, **kwargs)
         with self._whole_epoch:
-            return super().step(*args, increment_epoch=True, **kwargs)
+            super().step(increment_epoch=True, optimizer_step=True, **kwargs)
+        if averaging_round:
+            return super().step(**averaging)
+        return None
 
     def get_current_state(self):
         with self._whole_epoch:
