@@ -40,7 +40,7 @@ from hivetrain.hivemind_internals import HookedProgressTracker, other_training_p
 from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.overlapped_round import RoundInFlight
 from hivetrain.robust import RobustAggregation
-from hivetrain.record_guard import INT64_MAX, vetted
+from hivetrain.record_guard import INT64_MAX, others_epochs, vetted
 from hivetrain.speedups import FiniteSteps
 from hivetrain.swarm import RECORD_LIFETIME, read_records_beside_own, withdraw_records
 from hivetrain.telemetry import bounded_sum
@@ -151,6 +151,7 @@ class DiLoCoRounds:
                                             round_seconds=round_seconds, metadata_expiration=RECORD_LIFETIME,
                                             private_key=private_key, start=True)
         self.outer.left_alone = self._left_alone
+        self.outer.left_behind = self._left_behind
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
         self.samples_discarded = 0  # trained in inner steps no round took: before a reload, or a non-finite restart
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
@@ -189,6 +190,13 @@ class DiLoCoRounds:
         """In a swarm of two: whether the other peer has left since the tracker's last look (its progress record
         withdrawn), read from the DHT now."""
         return self.num_peers == 2 and other_training_peers(self.tracker) == 0
+
+    def _left_behind(self, round_: int) -> bool:
+        """Whether most other peers' progress records, read from the DHT now, state a round after `round_`: they ended
+        it without this peer. Most, not one: a single record (one that lies, or a peer that went on alone) must not cut
+        every peer's search short."""
+        epochs = others_epochs(self.tracker)
+        return bool(epochs) and 2 * sum(epoch > round_ for epoch in epochs) > len(epochs)
 
     @property
     def missed_rounds(self) -> int:

@@ -76,6 +76,9 @@ class OuterState(RobustAveraging, BoundedDownloads):
     # Whether the other peer of a swarm of two has left (hivetrain.diloco.DiLoCoRounds): a round looking for it is
     # then given up, and this peer's own step stands (wait_unless_left_alone).
     left_alone: Callable[[], bool] = staticmethod(lambda: False)
+    # Whether the swarm has moved past round r (the others' progress records state a later round): a search for r's
+    # group then finds nobody, and is given up (hivetrain.diloco.DiLoCoRounds).
+    left_behind: Callable[[int], bool] = staticmethod(lambda round_: False)
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
@@ -298,7 +301,20 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 # progress, and a slow peer after its current step.
                 control = self.step(weight=weight, timeout=timeout, gather=started_round, wait=False)
             self._round_control = (started_round, control)
-            if wait_unless_left_alone(control, self.left_alone, timeout):
+            left_out = False
+
+            def given_up() -> bool:
+                # A peer that came to its round after the others had formed its group without it (its reads of the
+                # swarm's progress a second apart, on a busy machine) searched on until the averaging timeout: 10 s
+                # in the demo, minutes in a GPU preset. Once the others state a later round, it stops searching.
+                nonlocal left_out
+                left_out = control.stage == AveragingStage.LOOKING_FOR_GROUP and self.left_behind(started_round)
+                return left_out or self.left_alone()
+
+            if wait_unless_left_alone(control, given_up, timeout):
+                if left_out:
+                    logger.info(f"Outer round {started_round}: the swarm averaged it without this peer")
+                    return None  # no group: the caller counts a failed round, this peer's own step stands
                 logger.info(f"Outer round {started_round}: the other peer left during it, this peer's step stands")
                 return {self.peer_id: started_round}  # a group of one: this peer's own step
             return control.result()

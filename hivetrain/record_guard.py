@@ -363,4 +363,16 @@ def vetted(tracker_class: type[HookedProgressTracker]) -> type[HookedProgressTra
     return Vetted
 
 
+def others_epochs(tracker: HookedProgressTracker) -> Optional[list[int]]:
+    """The epochs the other peers' usable progress entries state now, read from the DHT (a vetted tracker's own
+    reads pause while its peer runs a round), or None when the read fails (the DHT shutting down)."""
+    try:
+        found = tracker.dht.get(tracker.training_progress_key, latest=True)
+    except Exception:
+        return None
+    own, bound = progress_subkey(tracker), tracker.epoch_bound()
+    usable = usable_progress(tracker.training_progress_key, found.value if found is not None else None, bound, own)
+    return [LocalTrainingProgress.parse_obj(entry.value).epoch for subkey, entry in usable.items() if subkey != own]
+
+
 VettedProgressTracker = vetted(HookedProgressTracker)  # what hivemind.Optimizer's tracker is in a SwarmOptimizer

@@ -558,3 +558,40 @@ def test_a_new_round_reads_the_others_records_soon_whatever_the_last_read_planne
     finally:
         for tracker in trackers:
             tracker.shutdown()
+
+
+def test_a_peer_that_comes_to_a_round_the_others_averaged_without_it_stops_searching(dhts):
+    """Three peers; two average round 0 together while the third is still training. The third's round then finds no
+    group: hivemind searched until the averaging timeout (30 s here; minutes in a GPU preset), and the attacks smoke
+    saw a peer left out so searching 10 s while the others went on. Once most others' records state a later round,
+    it stops searching within a few looks (LEFT_ALONE_CHECK_S) and takes its own step, counted as a failed round."""
+    models = [torch.nn.Linear(6, 3) for _ in range(3)]
+    rounds = [_rounds(dht, model, 1, 1, 0.7, 0.9) for dht, model in zip(dhts(3), models)]
+    first, second, late = rounds
+    try:
+        for peer in rounds:
+            peer.samples = 1
+            peer.tracker.report_local_progress(0, 1)
+        deadline = time.monotonic() + 30
+        while min(peer.num_peers for peer in rounds) < 3:
+            assert time.monotonic() < deadline, "the peers never saw each other"
+            time.sleep(0.1)
+        _average_one_round_together([first, second])  # the late peer's record counts: it waits out the window
+        for peer in (first, second):
+            _report_and_wait_until_seen(peer, 1, late)
+        with torch.no_grad():
+            for parameter in late.parameters:
+                parameter.add_(0.1)  # a pseudo-gradient of its own
+        # no momentum yet: its own outer step is p - lr (1 + m) g, with g = p - local
+        own_step = [outer - 0.7 * 1.9 * (outer - local.detach()) for outer, local in
+                    zip(late.outer.outer_parameters, late.parameters)]
+        began = time.monotonic()
+        late.run_round()
+        took = time.monotonic() - began
+        assert late.rounds_failed == 1 and late.rounds_averaged == 0
+        assert took < 10, f"the left-out peer searched {took:.1f} s for a group that had formed without it"
+        torch.testing.assert_close(_flat(late.outer.outer_parameters), _flat(own_step))
+        assert late.outer.round == 1
+    finally:
+        for peer in rounds:
+            peer.shutdown()
