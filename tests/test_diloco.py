@@ -70,6 +70,17 @@ def _average_one_round_together(rounds: list[DiLoCoRounds]) -> None:
         (peer.rounds_alone, peer.rounds_failed) for peer in rounds]
 
 
+def _train_one_sample_each_until_all_seen(rounds: list[DiLoCoRounds]) -> None:
+    """Every peer reports one sample of round 0, and waits until each counts all of them in the records."""
+    for peer in rounds:
+        peer.samples = 1
+        peer.tracker.report_local_progress(0, 1)
+    deadline = time.monotonic() + 30
+    while min(peer.num_peers for peer in rounds) < len(rounds):
+        assert time.monotonic() < deadline, "the peers never saw each other"
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def dhts():
     started = []
@@ -224,13 +235,7 @@ def test_a_round_starts_once_every_peer_in_the_records_has_joined_its_group_not_
                            next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey())
               for dht, model in zip(dhts(2), models)]
     try:
-        for peer in rounds:
-            peer.samples = 1
-            peer.tracker.report_local_progress(0, 1)
-        deadline = time.monotonic() + 30
-        while min(peer.num_peers for peer in rounds) < 2:
-            assert time.monotonic() < deadline, "the peers never saw each other"
-            time.sleep(0.1)
+        _train_one_sample_each_until_all_seen(rounds)
         started = time.monotonic()
         _average_one_round_together(rounds)
         took = time.monotonic() - started
@@ -569,13 +574,7 @@ def test_a_peer_that_comes_to_a_round_the_others_averaged_without_it_stops_searc
     rounds = [_rounds(dht, model, 1, 1, 0.7, 0.9) for dht, model in zip(dhts(3), models)]
     first, second, late = rounds
     try:
-        for peer in rounds:
-            peer.samples = 1
-            peer.tracker.report_local_progress(0, 1)
-        deadline = time.monotonic() + 30
-        while min(peer.num_peers for peer in rounds) < 3:
-            assert time.monotonic() < deadline, "the peers never saw each other"
-            time.sleep(0.1)
+        _train_one_sample_each_until_all_seen(rounds)
         _average_one_round_together([first, second])  # the late peer's record counts: it waits out the window
         for peer in (first, second):
             _report_and_wait_until_seen(peer, 1, late)
