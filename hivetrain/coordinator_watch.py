@@ -20,6 +20,7 @@ from typing import Any, Optional
 import hivemind
 
 from hivetrain.clock import EPOCHS_AHEAD, ClockWatcher
+from hivetrain.record_guard import signer_peer_id
 from hivetrain.rollback import RollbackWatcher
 
 # Seconds between two tries of a peer beyond the clock to take the swarm's state: while it is still cut off, each try
@@ -35,6 +36,10 @@ class CoordinatorWatch:
     def __init__(self, dht: hivemind.DHT, run_id: str, coordinator_key: bytes):
         self.rollbacks = RollbackWatcher(dht, run_id, coordinator_key).start()
         self.clock = ClockWatcher(dht, run_id, coordinator_key).start()
+        # The coordinator's peer ID (its key's hash): the holder a rollback's state is taken from, and no other. A
+        # peer may hold a state of the very epoch the rollback serves: in CI an attacker trained up to it before the
+        # honest peer's download, and hivemind's order among equal holders picked the attacker's.
+        self.holder = signer_peer_id(coordinator_key)
         self._next_rejoin = 0.0
 
     def bound(self, tracker: Any, averager: Any) -> None:

@@ -195,7 +195,8 @@ class DiLoCoDDPStrategy(DDPStrategy):
         state was loaded or tried, this peer now holds the rolled-back state); the ranks learn both with the state."""
         record = self._watch.rollbacks.take(self.rounds.round) if self._watch is not None else None
         if record is not None:
-            reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+            with self.rounds.outer.downloading_only_from(self._watch.holder):  # the coordinator's state, no peer's
+                reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
             if reached:
                 self.last_rollback = record
             return True, reached

@@ -91,9 +91,8 @@ class RollbackWatcher(RecordWatcher[RollbackRecord]):
 
 
 def wait_for_state(load, current_round, record: RollbackRecord, deadline_seconds: float = 30.0) -> bool:
-    """Download the swarm's state (`load()`) until this peer's round (`current_round()`) reaches the rolled-back
-    state's: the coordinator serves it first (it is numbered ahead of everyone), but a download may fail or reach a
-    peer that took it already. True when reached."""
+    """Download the rolled-back state (`load()`, asking the coordinator alone: CoordinatorWatch.holder) until this
+    peer's round (`current_round()`) reaches it; a download may fail, and is tried again. True when reached."""
     deadline = time.monotonic() + deadline_seconds
     while True:
         load()

@@ -251,11 +251,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         trained alone while cut off: hivetrain.coordinator_watch), load the swarm's state, behind its own."""
         record = self._watch.rollbacks.take(self.local_epoch) if self._watch is not None else None
         if record is not None:
-            if self.rounds is not None:
-                reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
-            else:
-                reached = wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch,
-                                         record)
+            averager = self.rounds.outer if self.rounds is not None else self.optimizer.state_averager
+            with averager.downloading_only_from(self._watch.holder):  # the coordinator's state, no peer's
+                if self.rounds is not None:
+                    reached = wait_for_state(self.rounds.load_state_from_peers, lambda: self.rounds.round, record)
+                else:
+                    reached = wait_for_state(self.optimizer.load_state_from_peers, lambda: self.optimizer.local_epoch,
+                                             record)
             if reached:  # else wait_for_state said why, and the next validation decides again
                 self.last_rollback, self.rollbacks_taken = record, self.rollbacks_taken + 1
         elif self._watch is not None and (clock := self._watch.ran_ahead(self.local_epoch)) is not None:

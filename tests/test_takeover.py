@@ -29,7 +29,7 @@ from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.model import create_model, parameter_count
 from hivetrain.outer_state import OuterState
 from hivetrain.record_guard import VettedProgressTracker
-from hivetrain.run_record import RUN_KEY, RunRecord, fetch_run, guard_run_keys, publish_run_config, signer_peer_id
+from hivetrain.run_record import RUN_KEY, RunManifest, fetch_run, guard_run_keys, publish_run_config, signer_peer_id
 from hivetrain.swarm import DHTOptions, SwarmError, start_dht
 from hivetrain.swarm_optimizer import SwarmOptimizer
 from hivetrain.telemetry import PeerRecord, metrics_key, progress_key, publish_peer_record
@@ -59,7 +59,7 @@ def _start_hijacker(tmp_path, initial_peers: list[str], config) -> hivemind.DHT:
     signer = RSASignatureValidator(key)
     dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=LOOPBACK, record_validators=[signer],
                        identity_path=str(tmp_path / "hijacker.key"), start=True)
-    record = RunRecord(run_id=config.run_id, config=config.to_json(), fingerprint=config.fingerprint,
+    record = RunManifest(run_id=config.run_id, config=config.to_json(), fingerprint=config.fingerprint,
                        time=time.time() + DECADE)
     assert dht.store(RUN_KEY, record.dict(), get_dht_time() + 60, subkey=signer.local_public_key)
     return dht
@@ -79,7 +79,7 @@ def test_a_joiner_believes_only_the_run_record_of_the_peer_it_was_told_to_join(t
     # The hijacker also claims the coordinator's own run id: same key, newer time, another model.
     same_id = hijacked.replace(run_id=honest.run_id)
     forger, signer = _start_signer(_addresses(coordinator), cleanup)
-    assert forger.store(RUN_KEY, RunRecord(run_id=same_id.run_id, config=same_id.to_json(),
+    assert forger.store(RUN_KEY, RunManifest(run_id=same_id.run_id, config=same_id.to_json(),
                                            fingerprint=same_id.fingerprint, time=time.time() + DECADE).dict(),
                         get_dht_time() + 60, subkey=signer.local_public_key)
     joiner = start_dht(DHTOptions(host_maddrs=LOOPBACK, initial_peers=_addresses(coordinator)))
@@ -317,6 +317,42 @@ def test_a_download_skips_holders_beyond_the_clock_or_oversized_and_takes_no_set
                       f"a joiner skipped the four and took the honest holder's epoch ({peer.local_epoch}) and"
                       f" parameters, with its own lr ({peer.optimizer.param_groups[0]['lr']:g}) and weight decay"
                       f" ({peer.optimizer.param_groups[0]['weight_decay']:g})")
+
+
+def test_a_download_limited_to_one_holder_asks_no_other(cleanup):
+    """A rollback's state is taken from the coordinator alone (CoordinatorWatch.holder): in CI an attacker had trained
+    up to the very epoch the rollback served, and hivemind's order among equal holders handed the honest peer the
+    attacker's state. Two holders of one epoch: the one declaring the higher priority serves an unlimited download,
+    and nothing when the download names the other."""
+    bootstrap = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
+    cleanup.append(bootstrap)
+
+    def averager(fill: float, **kwargs) -> BoundedStateAverager:
+        dht = hivemind.DHT(host_maddrs=LOOPBACK, initial_peers=_addresses(bootstrap), start=True)
+        cleanup.append(dht)
+        model = torch.nn.Linear(4, 2)
+        torch.nn.init.constant_(model.weight, fill)
+        made = BoundedStateAverager(dht=dht, prefix="one-holder_state_averager", params=model.parameters(),
+                                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), start=True, **kwargs)
+        cleanup.append(made)
+        return made
+
+    pinned = averager(1.0, allow_state_sharing=True)
+    other = averager(-1.0, allow_state_sharing=True)
+    pinned.local_epoch = other.local_epoch = 15
+    pinned.state_sharing_priority, other.state_sharing_priority = 1, 2
+    peer = averager(0.0, allow_state_sharing=False)
+    deadline = time.monotonic() + 30
+    while len((peer.dht.get("one-holder_state_averager.all_averagers", latest=True) or ({}, None))[0]) < 2:
+        assert time.monotonic() < deadline, "the holders never declared their states"
+        time.sleep(0.2)
+    with peer.downloading_only_from(pinned.peer_id.to_base58()):
+        peer.load_state_from_peers(timeout=10)
+    assert peer.local_epoch == 15 and torch.equal(peer.main_parameters[0], pinned.main_parameters[0])
+    assert peer.only_holder is None  # the block's end lifts the limit: the next download asks any holder
+    peer.local_epoch = 0
+    peer.load_state_from_peers(timeout=10)
+    assert torch.equal(peer.main_parameters[0], other.main_parameters[0])
 
 
 def test_a_sync_peer_beyond_the_clock_keeps_its_epoch_until_a_holder_serves_the_swarms_state(cleanup):

@@ -4,6 +4,7 @@ hivemind's RPC names, a state server joined on shutdown, and state downloads vet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import random
@@ -330,15 +331,27 @@ class BoundedDownloads(MembersOnly, WaitsForItsGroup, JoinsStateServer, LastingS
 
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
+    # The one holder downloads ask (a base58 peer ID), None: any, as above. Set through downloading_only_from: a
+    # keyword would reach hivemind's gradient averager too, whose load hivemind.Optimizer calls with the same ones.
+    only_holder: Optional[str] = None
+
+    @contextlib.contextmanager
+    def downloading_only_from(self, holder: Optional[str]):
+        """Within the block, downloads ask `holder` alone (a base58 peer ID; None: any holder)."""
+        previous, self.only_holder = self.only_holder, holder
+        try:
+            yield
+        finally:
+            self.only_holder = previous
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
         future = MPFuture()
         self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
-                                                                  bound=self.epoch_bound())))
+                                                                  bound=self.epoch_bound(), only=self.only_holder)))
         return future.result(timeout=timeout) if wait else future
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
-                                     bound: Optional[int] = None):
+                                     bound: Optional[int] = None, only: Optional[str] = None):
         # as hivemind's: the timeout given bounds the wait for each next part
         timeout = None if timeout is None else (self.next_chunk_timeout or self.request_timeout)
         limit = STATE_BYTES_FACTOR * sum(t.numel() * t.element_size() for t in self._averaged_tensors)
@@ -349,7 +362,7 @@ class BoundedDownloads(MembersOnly, WaitsForItsGroup, JoinsStateServer, LastingS
                        for peer_id, entry in (found.items() if isinstance(found, dict) else ())
                        if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))}
             for peer in sorted(holders, key=holders.get, reverse=True):
-                if peer == self.peer_id:
+                if peer == self.peer_id or (only is not None and peer.to_base58() != only):
                     continue
                 if bound is not None and holders[peer][0] > bound:
                     _warn_download(peer, f"it declares a state of epoch {holders[peer][0]:g}, beyond {bound}")
