@@ -40,15 +40,18 @@ RUN_RECORD_TTL = 60.0  # seconds a published manifest lives unless the coordinat
 TRUST_ANY_FLAG = "--any-coordinator"  # peers/join.py's flag that takes an unpinned run record (named in errors)
 
 
-class RunRecord(BaseModel):
+class RunManifest(BaseModel):
+    """The coordinator's manifest of its run, signed, under RUN_KEY (the logbook's JSON of a finished run is
+    hivetrain.records.RunRecord)."""
+
     run_id: StrictStr
     config: StrictStr  # RunConfig as JSON
     fingerprint: StrictStr
     time: StrictFloat  # when its coordinator published it: orders one coordinator's records, nothing more
 
 
-class _RunRecordSchema(BaseModel):
-    hivetrain_run: dict[BytesWithPublicKey, Optional[RunRecord]]
+class _RunManifestSchema(BaseModel):
+    hivetrain_run: dict[BytesWithPublicKey, Optional[RunManifest]]
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def publish_run_config(dht: hivemind.DHT, config: RunConfig, ttl: float = RUN_RE
     """Store the manifest under the run key, signed with this process's key (only it can overwrite its entry). A
     coordinator signs with its identity key (hivemind_internals.sign_records_with) so that joiners can pin it."""
     _add_run_record_validators(dht)
-    record = RunRecord(run_id=config.run_id, config=config.to_json(), fingerprint=config.fingerprint,
+    record = RunManifest(run_id=config.run_id, config=config.to_json(), fingerprint=config.fingerprint,
                        time=time.time())
     return dht.store(RUN_KEY, subkey=RSASignatureValidator().local_public_key, value=record.dict(),
                      expiration_time=get_dht_time() + ttl)
@@ -129,10 +132,10 @@ def fetch_run(dht: hivemind.DHT, run_id: Optional[str] = None, initial_peers: li
 
 
 def run_key_rules(run_id: str) -> list[KeyRule]:
-    """Every key the roles of run `run_id` read: the run record, the peers' metrics, hivemind's progress records, the
-    coordinator's rollback record, clock and revocation list, the members' records, and the state-sharing declarations and matchmaking key
-    of each of its averagers."""
-    rules = [KeyRule(RUN_KEY, "signed", RunRecord), KeyRule(metrics_key(run_id), "signed", PeerRecord),
+    """Every key the roles of run `run_id` read: the run manifest, the peers' metrics, hivemind's progress records, the
+    coordinator's rollback record, clock and revocation list, the members' records, and the state-sharing
+    declarations and matchmaking key of each of its averagers."""
+    rules = [KeyRule(RUN_KEY, "signed", RunManifest), KeyRule(metrics_key(run_id), "signed", PeerRecord),
              KeyRule(progress_key(run_id), "signed", LocalTrainingProgress), *rollback_rules(run_id),
              *clock_rules(run_id), *revocation_rules(run_id), *member_rules(run_id)]
     # hivemind.Optimizer's and the coordinator's averagers, and diloco's outer state: `{run_id}_outer` is
@@ -158,16 +161,16 @@ def _add_run_record_validators(dht: hivemind.DHT) -> None:
     # The signature validator signs what this process stores and strips signatures from what it reads. hivemind
     # keeps the first one a DHT gets (and merges later ones into it): a process signs all its records with one key.
     add_validators_once(dht, "run record schema",
-                        [SchemaValidator(_RunRecordSchema, allow_extra_keys=True), RSASignatureValidator()])
-    guard_keys(dht, [KeyRule(RUN_KEY, "signed", RunRecord)])
+                        [SchemaValidator(_RunManifestSchema, allow_extra_keys=True), RSASignatureValidator()])
+    guard_keys(dht, [KeyRule(RUN_KEY, "signed", RunManifest)])
 
 
-def _read_run_records(dht: hivemind.DHT) -> list[tuple[RunRecord, RunConfig, bytes]]:
+def _read_run_records(dht: hivemind.DHT) -> list[tuple[RunManifest, RunConfig, bytes]]:
     """The run records in the swarm with their configurations and the subkeys they were signed under; a record whose
     configuration does not load, or does not match its fingerprint and run, is skipped with a warning."""
     _add_run_record_validators(dht)
     usable = []
-    for signer, record in read_signed_records(dht, RUN_KEY, RunRecord):
+    for signer, record in read_signed_records(dht, RUN_KEY, RunManifest):
         try:
             config = RunConfig.from_json(record.config)
         except Exception as e:  # JSON, or a field RunConfig refuses
