@@ -36,8 +36,8 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import SwarmConfig
-from hivetrain.hivemind_internals import HookedProgressTracker, other_training_peers, progress_subkey
-from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmaking
+from hivetrain.hivemind_internals import HookedProgressTracker, progress_subkey
+from hivetrain.outer_state import GivenUp, OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.overlapped_round import RoundInFlight
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import INT64_MAX, others_epochs, vetted
@@ -150,8 +150,7 @@ class DiLoCoRounds:
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
                                             round_seconds=round_seconds, metadata_expiration=RECORD_LIFETIME,
                                             private_key=private_key, start=True)
-        self.outer.left_alone = self._left_alone
-        self.outer.left_behind = self._left_behind
+        self.outer.give_up = self._give_up
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
         self.samples_discarded = 0  # trained in inner steps no round took: before a reload, or a non-finite restart
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
@@ -186,17 +185,23 @@ class DiLoCoRounds:
     def num_peers(self) -> int:
         return self.tracker.global_progress.num_peers
 
-    def _left_alone(self) -> bool:
-        """In a swarm of two: whether the other peer has left since the tracker's last look (its progress record
-        withdrawn), read from the DHT now."""
-        return self.num_peers == 2 and other_training_peers(self.tracker) == 0
-
-    def _left_behind(self, round_: int) -> bool:
-        """Whether most other peers' progress records, read from the DHT now, state a round after `round_`: they ended
-        it without this peer. Most, not one: a single record (one that lies, or a peer that went on alone) must not cut
-        every peer's search short."""
+    def _give_up(self, round_: int, looking: bool) -> Optional[GivenUp]:
+        """Whether this peer's round `round_` should end now, from one read of the swarm's progress records:
+        LEFT_ALONE in a swarm of two whose other peer has withdrawn its record since the tracker's last look;
+        LEFT_BEHIND while the round is `looking` for its group and most other peers' records state a later round.
+        Most, not one: a single record (one that lies, or a peer that went on alone) must not cut every peer's search
+        short. None (go on) when the records cannot be read."""
+        in_two = self.num_peers == 2
+        if not (in_two or looking):
+            return None
         epochs = others_epochs(self.tracker)
-        return bool(epochs) and 2 * sum(epoch > round_ for epoch in epochs) > len(epochs)
+        if epochs is None:
+            return None
+        if in_two and not epochs:
+            return GivenUp.LEFT_ALONE
+        if looking and 2 * sum(epoch > round_ for epoch in epochs) > len(epochs):
+            return GivenUp.LEFT_BEHIND
+        return None
 
     @property
     def missed_rounds(self) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Optional
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator

@@ -4,6 +4,7 @@ reducer included). hivetrain.diloco decides when a round runs; this module is wh
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -30,6 +31,17 @@ RELAY_GATHER = "relay"
 # samples, nothing. Not zero: hivemind's mean divides by the group's total weight (NaN for a group of such peers
 # alone), and the robust reducers leave zero weights out (such a group would have no copy to reduce).
 CATCH_UP_WEIGHT = 1e-3
+
+
+class GivenUp(enum.Enum):
+    """Why a round ended before its group averaged (OuterState.give_up), as the peer's line says it."""
+
+    # In a swarm of two, the other peer left while this one's round looked for it, or averaged with it: hivemind
+    # searched on until the averaging timeout (10 s to minutes) before this peer stepped alone.
+    LEFT_ALONE = "the other peer left during it, this peer's step stands"
+    # The others formed the round's group without this peer (it came to the round a read of the swarm's progress
+    # later, on a busy machine) and went on to the next: hivemind searched until the averaging timeout for nobody.
+    LEFT_BEHIND = "the swarm averaged it without this peer"
 
 
 def outer_state_prefix(run_id: str) -> str:
@@ -73,12 +85,10 @@ class OuterState(RobustAveraging, BoundedDownloads):
     hyperparameters in torch's SGD form, which is what checkpoints store."""
 
     # epoch_bound (BoundedDownloads): the highest round a groupmate or a downloaded state may name; None: any.
-    # Whether the other peer of a swarm of two has left (hivetrain.diloco.DiLoCoRounds): a round looking for it is
-    # then given up, and this peer's own step stands (wait_unless_left_alone).
-    left_alone: Callable[[], bool] = staticmethod(lambda: False)
-    # Whether the swarm has moved past round r (the others' progress records state a later round): a search for r's
-    # group then finds nobody, and is given up (hivetrain.diloco.DiLoCoRounds).
-    left_behind: Callable[[int], bool] = staticmethod(lambda round_: False)
+    # Whether a round should stop looking for its group (or stop averaging in it), and why (GivenUp), from the swarm's
+    # progress records as they are now (hivetrain.diloco.DiLoCoRounds); called with the round and whether it is still
+    # looking for its group. None: go on. This peer's own step then stands (wait_unless_left_alone).
+    give_up: Callable[[int, bool], Optional["GivenUp"]] = staticmethod(lambda round_, looking: None)
 
     def __init__(self, parameters: Sequence[torch.Tensor], dht: DHT, prefix: str, outer_lr: float,
                  outer_momentum: float, compression: CompressionBase = NoCompression(),
@@ -301,21 +311,17 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 # progress, and a slow peer after its current step.
                 control = self.step(weight=weight, timeout=timeout, gather=started_round, wait=False)
             self._round_control = (started_round, control)
-            left_out = False
+            ended: Optional[GivenUp] = None
 
             def given_up() -> bool:
-                # A peer that came to its round after the others had formed its group without it (its reads of the
-                # swarm's progress a second apart, on a busy machine) searched on until the averaging timeout: 10 s
-                # in the demo, minutes in a GPU preset. Once the others state a later round, it stops searching.
-                nonlocal left_out
-                left_out = control.stage == AveragingStage.LOOKING_FOR_GROUP and self.left_behind(started_round)
-                return left_out or self.left_alone()
+                nonlocal ended
+                ended = self.give_up(started_round, control.stage == AveragingStage.LOOKING_FOR_GROUP)
+                return ended is not None
 
             if wait_unless_left_alone(control, given_up, timeout):
-                if left_out:
-                    logger.info(f"Outer round {started_round}: the swarm averaged it without this peer")
+                logger.info(f"Outer round {started_round}: {ended.value}")
+                if ended is GivenUp.LEFT_BEHIND:
                     return None  # no group: the caller counts a failed round, this peer's own step stands
-                logger.info(f"Outer round {started_round}: the other peer left during it, this peer's step stands")
                 return {self.peer_id: started_round}  # a group of one: this peer's own step
             return control.result()
         except Exception as e:  # no group, a groupmate that vanished mid-round

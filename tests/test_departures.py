@@ -8,15 +8,16 @@ import time
 
 import hivemind
 import pytest
-from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S, other_training_peers, wait_unless_left_alone
+from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S, HookedProgressTracker, wait_unless_left_alone
 from hivetrain.outer_state import outer_state_prefix
+from hivetrain.record_guard import others_epochs, vetted
 from hivetrain.swarm import RECORD_LIFETIME
 from hivetrain.telemetry import PEER_RECORD_TTL, metrics_key
 
@@ -101,7 +102,7 @@ def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
     peer's outer round) is now cancelled within about LEFT_ALONE_CHECK_S of the withdrawal, and not before it."""
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     cleanup.append(dht)
-    tracker = ProgressTracker(dht, "left-alone", target_batch_size=64, start=False)
+    tracker = vetted(HookedProgressTracker)(dht, "left-alone", target_batch_size=64, start=False)
     signer = RSASignatureValidator(RSAPrivateKey())  # the other peer, which signs its record as hivemind's do
     other = hivemind.DHT(initial_peers=[str(a) for a in dht.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                          record_validators=[signer], start=True)
@@ -113,7 +114,7 @@ def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
     control, outcome = MPFuture(), []  # a round that never finds its group
 
     def wait() -> None:
-        outcome.append(wait_unless_left_alone(control, lambda: other_training_peers(tracker) == 0, timeout=60.0))
+        outcome.append(wait_unless_left_alone(control, lambda: others_epochs(tracker) == [], timeout=60.0))
 
     waiting = threading.Thread(target=wait)
     waiting.start()

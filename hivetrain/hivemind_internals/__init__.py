@@ -41,9 +41,9 @@ check_hivemind_version(hivemind.__version__)
 from hivetrain.hivemind_internals.runtime import (ask_cuda_availability_once, dial, hivemind_log_handler,
                                                   is_averager_cut_short)  # noqa: E402
 from hivetrain.hivemind_internals.records import (HookedProgressTracker, SIGNATURE_RE, SIGNED_SUBKEY_RE,
-                                                  announce_and_count_peers, identity_key, other_training_peers,
-                                                  progress_subkey, rsa_key_from_der, sign_records_with,
-                                                  signature_checker, write_identity)  # noqa: E402
+                                                  announce_and_count_peers, identity_key, progress_subkey,
+                                                  rsa_key_from_der, sign_records_with, signature_checker,
+                                                  write_identity)  # noqa: E402
 from hivetrain.hivemind_internals.averaging import (BoundedDownloads, BoundedStateAverager, GroupClosesWhenFull,
                                                     JoinsStateServer, MIN_ROBUST_GROUP_SIZE, MembersOnly, PartCopies,
                                                     RobustAllReduceRunner, RobustAveraging, RobustPartReducer,
@@ -55,8 +55,8 @@ from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_sc
 __all__ = [
     "SUPPORTED_HIVEMIND_VERSIONS", "check_hivemind_version", "ask_cuda_availability_once", "dial",
     "hivemind_log_handler", "is_averager_cut_short", "HookedProgressTracker", "SIGNATURE_RE", "SIGNED_SUBKEY_RE",
-    "announce_and_count_peers", "identity_key", "other_training_peers", "progress_subkey", "rsa_key_from_der",
-    "sign_records_with", "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
+    "announce_and_count_peers", "identity_key", "progress_subkey", "rsa_key_from_der", "sign_records_with",
+    "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
     "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
     "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "STATE_SERVER_JOIN_TIMEOUT",
     "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "wait_unless_left_alone",

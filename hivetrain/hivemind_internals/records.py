@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional
+from typing import Any
 
 import hivemind
 from google.protobuf.message import DecodeError
@@ -13,7 +13,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import GlobalTrainingProgress, ProgressTracker
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
-from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 
@@ -48,21 +48,6 @@ def progress_subkey(tracker: ProgressTracker) -> bytes:
     """The subkey under which this peer's tracker stores its progress record (its signing key's public part): the only
     way to overwrite that record, e.g. to withdraw it on leaving. hivemind keeps it private."""
     return tracker._local_public_key
-
-
-def other_training_peers(tracker: ProgressTracker) -> Optional[int]:
-    """The other peers' live progress records in the DHT now (a peer that left withdrew its own), or None when they
-    cannot be read (this peer's own record is among them: a read that finds none failed). Counted here rather than
-    parsed into the tracker (_parse_swarm_progress_data): the caller may hold the tracker's updates paused."""
-    try:
-        found = tracker.dht.get(tracker.training_progress_key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return None
-        entries, own = found.value, progress_subkey(tracker)
-        return sum(subkey != own and isinstance(entry, ValueWithExpiration) and entry.value is not None
-                   for subkey, entry in entries.items())
-    except Exception:  # the DHT shutting down: nothing known
-        return None
 
 
 def announce_and_count_peers(dht: hivemind.DHT, tracker: ProgressTracker) -> int:
