@@ -9,9 +9,9 @@ seen in the DHT is worthless to any other host, and a member record names no sec
 
 An averager of a private run (hivetrain.hivemind_internals.MembersOnly) asks its DHT process about each caller it has
 not admitted lately (`check_callers` wires that up before the averagers start). There the peer's own authorizer,
-which holds the run's authority and revocation list, checks the callers' records: a revoked or expired grant stops
-counting within MEMBER_CACHE_SECONDS. A caller that is no member costs one DHT read per UNKNOWN_CALLER_READ_EVERY
-seconds at most, whatever it sends.
+which holds the run's authority and revocation list, checks the callers' records: an expired grant stops counting
+within MEMBER_CACHE_SECONDS, a revoked one as soon as the revocation list reaches the peer (check_members_again). A
+caller that is no member costs one DHT read per UNKNOWN_CALLER_READ_EVERY seconds at most, whatever it sends.
 """
 
 from __future__ import annotations
@@ -119,6 +119,14 @@ _member_lists: dict[int, MemberList] = {}  # in a DHT process: id(node) -> the r
 
 async def _admit_members_of(run_id: str, _dht: hivemind.DHT, node) -> None:
     _member_lists[id(node)] = MemberList(run_id)
+
+
+def check_members_again(node) -> None:
+    """In a DHT process: every caller admitted so far is checked again at its next request (a revocation list just
+    applied: a caller admitted under a grant it revokes was answered on for MEMBER_CACHE_SECONDS)."""
+    members = _member_lists.get(id(node))
+    if members is not None:
+        members.admitted = {}
 
 
 async def is_member(peer_id: bytes, _dht: hivemind.DHT, node) -> bool:

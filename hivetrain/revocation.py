@@ -6,7 +6,8 @@ hivetrain.roles.coordinator.tokens); the coordinator's own authorizer refuses it
 publishes the list under `<run_id>_revoked`, signed as its rollback records are (an entry whose subkey is its
 identity key, signed with it). A peer of a private run reads it every few seconds (RevocationWatcher) and hands it
 to its authorizer, in the DHT's process, which then refuses every request and answer of a revoked grant's holder:
-that peer drops out of the honest peers' DHT.
+that peer drops out of the honest peers' DHT, and their averagers check their callers' grants again
+(hivetrain.membership).
 
 A peer believes only the list signed by the key that signed the run record it joined with (the join command's pin):
 an entry under another key is skipped, with one warning per key that wrote one. A list names grants by their holder
@@ -29,6 +30,7 @@ from pydantic.v1 import BaseModel, StrictFloat, StrictStr, conbytes, conlist
 from hivetrain.access import FINGERPRINT_BYTES, RunAuthorizer
 from hivetrain.clock import RecordWatcher
 from hivetrain.hivemind_internals.dht import node_authorizer
+from hivetrain.membership import check_members_again
 from hivetrain.record_guard import KeyRule, guard_keys, signer_peer_id, warn_skipped
 from hivetrain.swarm import DHT_READ_TIMEOUT, read_signed_records
 
@@ -127,6 +129,7 @@ async def _set_revoked(holders: frozenset[bytes], _dht: hivemind.DHT, node) -> b
     if not isinstance(authorizer, RunAuthorizer):
         return False
     authorizer.set_revoked(holders)
+    check_members_again(node)  # the averagers' callers too, not only the DHT's requests from now on
     return True
 
 

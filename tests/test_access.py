@@ -14,8 +14,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import assert_clean_error, start_coordinator
 from hivetrain.access import AccessGrant, RunAuthorizer, issue_grant, load_key, parse_lifetime
-from hivetrain.membership import publish_membership
+from hivetrain.membership import MEMBER_CACHE_SECONDS, publish_membership
 from hivetrain.metrics_store import MetricsReader
+from hivetrain.roles.coordinator.start import main as coordinator_main
 from test_baselines import free_port
 
 
@@ -156,20 +157,35 @@ def test_a_private_runs_averagers_answer_its_members_only(spawn, tmp_path, takeo
     assert asyncio.run(as_outsider()) == 0
     outsider_line = alice.wait_for(r"Refusing averaging requests from (\S+): no member record", timeout=30)
     # A member asks the same: a host that holds a grant of the run and published its member record
-    member = RunAuthorizer(issue_grant(load_key(tmp_path / "authority.key"), "bob", 3600))
+    grant = issue_grant(load_key(tmp_path / "authority.key"), "bob", 3600)
+    member = RunAuthorizer(grant)
     dht = hivemind.DHT(initial_peers=addresses, client_mode=True, authorizer=member, start=True,
                        record_validators=[RSASignatureValidator()])  # its record signed, as a peer's
     try:
         assert publish_membership(dht, run_id, member)
+        admitted_by = time.monotonic()  # alice admits him at his first request, after this
 
-        async def as_member() -> int:
-            return await download(await dht.replicate_p2p())
+        async def as_member_until_refused(deadline: float) -> tuple[int, float]:
+            """His first download's messages, and when a download was first refused (the deadline: never)."""
+            p2p = await dht.replicate_p2p()
+            first = await download(p2p)
+            assert coordinator_main(["revoke-token", grant.encode(), "--authority-key", authority]) == 0
+            while time.monotonic() < deadline:
+                if await download(p2p) == 0:
+                    return first, time.monotonic()
+                await asyncio.sleep(0.5)
+            return first, deadline
 
-        assert asyncio.run(as_member()) > 0  # the metadata and every tensor's parts
+        # Then the run's owner revokes his grant. alice admitted him for MEMBER_CACHE_SECONDS after his record was
+        # read; the revocation list reaching her makes her averagers check him again, and refuse him, before that.
+        first, refused_at = asyncio.run(as_member_until_refused(admitted_by + MEMBER_CACHE_SECONDS))
+        assert first > 0  # the metadata and every tensor's parts
+        assert refused_at < admitted_by + MEMBER_CACHE_SECONDS, "a revoked member was answered till his admission ended"
     finally:
         dht.shutdown()
     # the outsider's requests were refused with one line, not one per request
     refusals = len([line for line in alice.lines if outsider_line.group(1) in line and "Refusing" in line])
     assert refusals == 1
     takeover_rows.add(5, "a host with no token asks a private run's volunteer for its state (rpc_download_state)",
-                      f"refused: 0 messages, {refusals} warning line; a member with a grant got the state")
+                      f"refused: 0 messages, {refusals} warning line; a member with a grant got the state, and was"
+                      f" refused {refused_at - admitted_by:.0f} s after his first request once the owner revoked it")
