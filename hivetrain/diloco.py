@@ -11,7 +11,9 @@ momentum, round) to joiners, and a
 When a round starts: once the samples the swarm trained since the last round reach H x (the run's per-step batch) x
 (peers in the progress records), i.e. once the peers have taken H local steps each on average. Nobody waits for a
 slow peer's H-th step: a fast peer takes more inner steps, a slow one fewer, and each pseudo-gradient counts in
-proportion to its samples.
+proportion to its samples. A peer starts looking for the round's group a matchmaking time before the swarm's samples
+are estimated to reach the target (hivemind's tracker: the peers' records and rates), as hivemind's Optimizer
+schedules its gradient rounds, and a blocking round's all-reduce starts with the group already formed.
 
 Rounds paced in seconds (`round_seconds` S, the coordinator's --round-seconds): a round falls due at every S seconds of
 the wall clock (next_round_time), the same grid on every peer, and each peer takes as many inner steps as its device
@@ -303,22 +305,42 @@ class DiLoCoRounds:
             self.next_round_at = next_round_time(time.time(), self.round_seconds)
 
     def _maybe_schedule_round(self) -> None:
-        """Rounds paced in seconds, between two inner steps: once the next round's group forms within a matchmaking
-        time (group_time), start looking for it. Beside a round in flight, once that round has found its group
-        (OuterState.group_found): an overlapped round is in flight nearly all the time, and waiting for it to land
-        left no time to look ahead (the demo's paced peers: no group ready in any round)."""
-        if self.next_round_at is None or self.scheduled is not None:
+        """Between two inner steps: once the next round's group forms within a matchmaking time (_group_forms_at),
+        start looking for it, so that matchmaking leaves the round's critical path. Beside a round in flight, once
+        that round has found its group (OuterState.group_found): an overlapped round is in flight nearly all the
+        time, and waiting for it to land left no time to look ahead (the demo's paced peers: no group ready in any
+        round)."""
+        if self.scheduled is not None:
             return
+        if self.next_round_at is None and self.overlap:
+            return  # counted overlapped rounds: see _group_forms_at
         if self.flight is not None and not self.outer.group_found(self.flight.round):
             return
-        forms = group_time(self.next_round_at, self.matchmaking_time)
-        if self._others_due() is None or time.time() < forms - self.matchmaking_time:
+        forms = self._group_forms_at()
+        if forms is None or self._others_due() is None or time.time() < forms - self.matchmaking_time:
             return
         self.outer.expect_peers(self.num_peers)
         try:
             self.scheduled = (self.outer.round, self.outer.schedule_round(forms, self.averaging_timeout))
         except Exception as e:  # the averager shutting down under it: the round looks for its group when due
             logger.debug(f"Could not look ahead for outer round {self.outer.round}'s group: {type(e).__name__}: {e}")
+
+    def _group_forms_at(self) -> Optional[float]:
+        """When the next round's group forms (a Unix time), None while not known.
+
+        Rounds paced in seconds: half a matchmaking time before the grid's time (group_time). Rounds counted in
+        samples: when the swarm's samples reach the round's target, as hivemind's tracker estimates it from the
+        peers' records, each carried forward from the time it states), about the same time on every peer however
+        far apart their reads (searches begun at the read that saw the round due started a second or more apart on
+        a busy machine). Blocking rounds only: overlapped ones counted in samples fall due as the round in flight
+        lands, when the others' records still count that round's samples and the estimate is no guide (looking
+        ahead there tripled the rounds that found no group in test_diloco_swarm's swarm)."""
+        if self.next_round_at is not None:
+            return group_time(self.next_round_at, self.matchmaking_time)
+        progress = self.tracker.global_progress
+        if progress.epoch != self.outer.round or not math.isfinite(progress.eta_next_epoch):
+            return None
+        return progress.eta_next_epoch
 
     def _take_scheduled(self) -> Optional[StepControl]:
         """The group looked for ahead for the round starting now, if it was looked for at this round."""

@@ -594,3 +594,53 @@ def test_a_peer_that_comes_to_a_round_the_others_averaged_without_it_stops_searc
     finally:
         for peer in rounds:
             peer.shutdown()
+
+
+def test_rounds_counted_in_samples_look_for_their_group_ahead(dhts):
+    """Three peers stepping every 0.1 s in blocking rounds due by samples. Each starts looking for a round's group a
+    matchmaking time before the swarm's samples are estimated to reach the round's target, so the group stands
+    formed, waiting for the peers' triggers, when the round falls due: matchmaking is off the round's critical path.
+    (A search begun at the read that saw the round due put matchmaking on it, and on a busy machine the peers' reads,
+    a second apart, left one out of the group.) The peers end at the same outer parameters."""
+    last_round, step_time = 3, 0.1
+    models = [torch.nn.Linear(6, 3) for _ in range(3)]
+    for model in models[1:]:
+        model.load_state_dict(models[0].state_dict())
+    rounds = [DiLoCoRounds(dht, "test_counted_ahead", list(model.parameters()), inner_steps=10, batch_size=1,
+                           outer_lr=0.7, outer_momentum=0.9, matchmaking_time=1.0, averaging_timeout=10.0,
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey())
+              for dht, model in zip(dhts(3), models)]
+    errors = []
+
+    def train(index: int) -> None:
+        peer, model = rounds[index], models[index]
+        generator = torch.Generator().manual_seed(index)
+        deadline = time.monotonic() + 90
+        try:
+            while peer.round < last_round and time.monotonic() < deadline:
+                with torch.no_grad():  # an "inner step"
+                    for parameter in model.parameters():
+                        parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=0.01)
+                time.sleep(step_time)
+                peer.after_inner_step(1)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    try:
+        _train_one_sample_each_until_all_seen(rounds)
+        threads = [threading.Thread(target=train, args=(index,)) for index in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert [peer.round for peer in rounds] == [last_round] * 3
+        assert all(peer.rounds_averaged == last_round for peer in rounds), [
+            (p.rounds_averaged, p.rounds_alone, p.rounds_failed, p.rounds_missed) for p in rounds]
+        assert all(peer.rounds_group_ready >= 1 for peer in rounds), [p.rounds_group_ready for p in rounds]
+        for peer in rounds[1:]:
+            torch.testing.assert_close(_flat(peer.outer.outer_parameters), _flat(rounds[0].outer.outer_parameters),
+                                       rtol=0, atol=1e-5)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
