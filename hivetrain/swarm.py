@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
@@ -129,11 +130,16 @@ def check_port_free(host_maddrs: list[str]) -> None:
 
 
 class _ShutdownRaceFilter(logging.Filter):
-    """Drops hivemind's tracebacks of a harmless shutdown race: an averager process that has just exited leaves a
-    message in the DHT's pipe whose reply channel is gone. Every other record passes."""
+    """Drops hivemind's tracebacks of harmless races: an averager process that has just exited leaves a message in
+    the DHT's pipe whose reply channel is gone; a round this peer cancelled (its group given up, or no longer needed)
+    ends in hivemind's averager all the same, which then fails to set the cancelled step's result (asyncio's "Task
+    exception was never retrieved"). Every other record passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and issubclass(record.exc_info[0], (FileNotFoundError, ConnectionError, EOFError)):
+            return False
+        if record.exc_info and issubclass(record.exc_info[0], InvalidStateError) and "CANCELLED" in str(
+                record.exc_info[1]):
             return False
         return "Task was destroyed but it is pending" not in record.getMessage()
 
