@@ -189,17 +189,14 @@ class DiLoCoRounds:
 
     def _give_up(self, round_: int, looking: bool) -> Optional[GivenUp]:
         """Whether this peer's round `round_` should end now, from one read of the swarm's progress records:
-        LEFT_ALONE in a swarm of two whose other peer has withdrawn its record since the tracker's last look;
-        LEFT_BEHIND while the round is `looking` for its group and most other peers' records state a later round.
-        Most, not one: a single record (one that lies, or a peer that went on alone) must not cut every peer's search
-        short. None (go on) when the records cannot be read."""
-        in_two = self.num_peers == 2
-        if not (in_two or looking):
-            return None
+        LEFT_ALONE once the other peers have all withdrawn their records since the tracker's last look; LEFT_BEHIND
+        while the round is `looking` for its group and most other peers' records state a later round. Most, not
+        one: a single record (one that lies, or a peer that went on alone) must not cut every peer's search short.
+        None (go on) when the records cannot be read."""
         epochs = others_epochs(self.tracker)
         if epochs is None:
             return None
-        if in_two and not epochs:
+        if not epochs:
             return GivenUp.LEFT_ALONE
         if looking and 2 * sum(epoch > round_ for epoch in epochs) > len(epochs):
             return GivenUp.LEFT_BEHIND

@@ -36,9 +36,10 @@ CATCH_UP_WEIGHT = 1e-3
 class GivenUp(enum.Enum):
     """Why a round ended before its group averaged (OuterState.give_up), as the peer's line says it."""
 
-    # In a swarm of two, the other peer left while this one's round looked for it, or averaged with it: hivemind
-    # searched on until the averaging timeout (10 s to minutes) before this peer stepped alone.
-    LEFT_ALONE = "the other peer left during it, this peer's step stands"
+    # The other peers all left while this one's round looked for them, or averaged with them (a swarm of two whose
+    # other peer leaves; a peer left out of the last round, whose group finished it and left): hivemind searched on
+    # until the averaging timeout (10 s to minutes) before this peer stepped alone.
+    LEFT_ALONE = "the other peers left during it, this peer's step stands"
     # The others formed the round's group without this peer (it came to the round a read of the swarm's progress
     # later, on a busy machine) and went on to the next: hivemind searched until the averaging timeout for nobody.
     LEFT_BEHIND = "the swarm averaged it without this peer"

@@ -366,14 +366,15 @@ def vetted(tracker_class: type[HookedProgressTracker]) -> type[HookedProgressTra
 def others_epochs(tracker: HookedProgressTracker) -> Optional[list[int]]:
     """The epochs the other peers' usable progress entries state now, read from the DHT (a vetted tracker's own
     reads pause while its peer runs a round); an empty list once they have all withdrawn them. None when the read
-    fails or finds no entry at all: a peer that trains has its own there (the DHT shutting down, or not reached)."""
+    fails, or comes back without this peer's own entry (live, or cleared as it left): such a read may have missed the
+    others' too (swarm.read_records_beside_own)."""
     try:
         found = tracker.dht.get(tracker.training_progress_key, latest=True)
     except Exception:
         return None
-    if found is None or not isinstance(found.value, dict):
-        return None
     own = progress_subkey(tracker)
+    if found is None or not isinstance(found.value, dict) or own not in found.value:
+        return None
     usable = usable_progress(tracker.training_progress_key, found.value, tracker.epoch_bound(), own)
     return [LocalTrainingProgress.parse_obj(entry.value).epoch for subkey, entry in usable.items() if subkey != own]
 

@@ -15,7 +15,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S, HookedProgressTracker, wait_unless_left_alone
+from hivetrain.hivemind_internals import (LEFT_ALONE_CHECK_S, HookedProgressTracker, announce_and_count_peers,
+                                          wait_unless_left_alone)
 from hivetrain.outer_state import outer_state_prefix
 from hivetrain.record_guard import others_epochs, vetted
 from hivetrain.swarm import RECORD_LIFETIME
@@ -103,6 +104,7 @@ def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     cleanup.append(dht)
     tracker = vetted(HookedProgressTracker)(dht, "left-alone", target_batch_size=64, start=False)
+    announce_and_count_peers(dht, tracker)  # its own record: a read without it tells nothing of who is gone
     signer = RSASignatureValidator(RSAPrivateKey())  # the other peer, which signs its record as hivemind's do
     other = hivemind.DHT(initial_peers=[str(a) for a in dht.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                          record_validators=[signer], start=True)

@@ -13,6 +13,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds, RoundTracker, next_round_time
 from hivetrain.digests import tensors_digest
+from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S
 from hivetrain.hivemind_internals.records import announce_and_count_peers, progress_subkey
 from hivetrain.model import create_model
 from hivetrain.optimizer import make_optimizer
@@ -641,6 +642,33 @@ def test_rounds_counted_in_samples_look_for_their_group_ahead(dhts):
         for peer in rounds[1:]:
             torch.testing.assert_close(_flat(peer.outer.outer_parameters), _flat(rounds[0].outer.outer_parameters),
                                        rtol=0, atol=1e-5)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+
+
+def test_a_round_whose_other_peers_all_leave_is_given_up_at_once(dhts):
+    """Three peers; the third's round looks for its group while the other two leave (their records withdrawn, as at
+    the run's end: so no record states a later round). hivemind searched on until the averaging timeout (30 s here,
+    minutes in a GPU preset): the rule for a swarm of two (test_departures) did not apply. Once the others'
+    records are all gone, the round stops searching within a few looks (LEFT_ALONE_CHECK_S): its own step stands."""
+    models = [torch.nn.Linear(6, 3) for _ in range(3)]
+    rounds = [_rounds(dht, model, 1, 1, 0.7, 0.9) for dht, model in zip(dhts(3), models)]
+    first, second, last = rounds
+    try:
+        _train_one_sample_each_until_all_seen(rounds)
+        searching = threading.Thread(target=last.run_round)
+        began = time.monotonic()
+        searching.start()
+        time.sleep(3 * LEFT_ALONE_CHECK_S)
+        assert searching.is_alive()  # the others are there: it looks for them
+        for peer in (first, second):
+            peer.withdraw()
+        withdrawn = time.monotonic()
+        searching.join(timeout=60)
+        assert last.rounds_alone == 1 and last.rounds_averaged == 0 and last.outer.round == 1
+        assert time.monotonic() - withdrawn < 10, (
+            f"the round searched {time.monotonic() - began:.1f} s in all for peers that had left")
     finally:
         for peer in rounds:
             peer.shutdown()

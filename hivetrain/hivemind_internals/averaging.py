@@ -511,18 +511,18 @@ class BoundedStateAverager(ServesWholeEpochs, BoundedDownloads):
         super()._update_scheduler()
 
 
-# --- rounds in a swarm of two -------------------------------------------------------------------------------------
+# --- rounds whose peers are gone ------------------------------------------------------------------------------------
 
-LEFT_ALONE_CHECK_S = 1.0  # how often a round in a swarm of two looks whether the other peer is still there
+LEFT_ALONE_CHECK_S = 1.0  # how often a round looks whether it should end early (the other peers gone)
 
 
 def wait_unless_left_alone(control: StepControl, left_alone: Callable[[], bool], timeout: Optional[float]) -> bool:
     """Wait for the averaging round `control` (at most `timeout` seconds; None: until it is done), asking
     `left_alone()` every LEFT_ALONE_CHECK_S; cancel the round once it says so. Whether it did.
 
-    In a swarm of two, the other peer may leave while this one's round looks for it: the round was scheduled ahead, or
-    began before the other's withdrawn record reached this peer's tracker. hivemind then looked for the group until
-    the averaging timeout (10 s to minutes) before this peer stepped alone, at every departure that left one peer."""
+    The other peers may leave while this one's round looks for them: the round was scheduled ahead, or began before
+    their withdrawn records reached this peer's tracker, or they averaged it without this peer and left. hivemind then
+    looked for the group until the averaging timeout (10 s to minutes) before this peer stepped alone."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while deadline is None or time.monotonic() < deadline:
         try:
