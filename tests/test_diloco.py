@@ -3,6 +3,7 @@ get the outer state."""
 
 import threading
 import time
+from typing import Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -41,6 +42,38 @@ def _inner_step(model, optimizer, seed: int, size: int) -> None:
 
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().flatten() for t in tensors])
+
+
+def _train_together(rounds: list[DiLoCoRounds], models: list, step_times: Sequence[float], last_round: int,
+                    seconds: float, after_step: Callable[[int, Optional[float]], None] = lambda index, due: None):
+    """Each peer, in a thread of its own, takes "inner steps" (a small random change to every parameter) of
+    `step_times[i]` seconds until its round reaches `last_round` (at most `seconds`), then lands any round in flight.
+    `after_step(i, due)`: after each step of peer i, with the time its paced round was due before that step."""
+    errors = []
+
+    def train(index: int) -> None:
+        peer, model = rounds[index], models[index]
+        generator = torch.Generator().manual_seed(index)
+        deadline = time.monotonic() + seconds
+        try:
+            while peer.round < last_round and time.monotonic() < deadline:
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=0.01)
+                time.sleep(step_times[index])
+                due = peer.next_round_at
+                peer.after_inner_step(1)
+                after_step(index, due)
+            peer.finish_round(timeout=30)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(index,)) for index in range(len(rounds))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
 
 
 def _rounds(dht, model, inner_steps: int, batch: int, outer_lr: float, outer_momentum: float) -> DiLoCoRounds:
@@ -479,26 +512,11 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
               for dht, model in zip(dhts(2), models)]
     due_times: list[list[float]] = [[], []]  # when each round a peer started had fallen due
     steps_per_round: list[list[int]] = [[], []]
-    errors = []
 
-    def train(index: int) -> None:
-        peer, model = rounds[index], models[index]
-        generator = torch.Generator().manual_seed(index)
-        deadline = time.monotonic() + 60
-        try:
-            while peer.round < last_round and time.monotonic() < deadline:
-                with torch.no_grad():  # an "inner step"
-                    for parameter in model.parameters():
-                        parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=0.01)
-                time.sleep(step_times[index])
-                due = peer.next_round_at
-                peer.after_inner_step(1)
-                if peer.inner_steps_since_round == 0:  # a round started (blocking: and ended) at this step
-                    due_times[index].append(due)
-                    steps_per_round[index].append(peer.last_round_steps)
-            peer.finish_round(timeout=30)
-        except Exception as e:  # reported by the main thread
-            errors.append(e)
+    def after_step(index: int, due: Optional[float]) -> None:
+        if rounds[index].inner_steps_since_round == 0:  # a round started (blocking: and ended) at this step
+            due_times[index].append(due)
+            steps_per_round[index].append(rounds[index].last_round_steps)
 
     try:
         for peer in rounds:
@@ -513,12 +531,7 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
         start = next_round_time(time.time(), seconds)
         for peer in rounds:
             peer.next_round_at = start
-        threads = [threading.Thread(target=train, args=(index,)) for index in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors, errors
+        _train_together(rounds, models, step_times, last_round, seconds=60, after_step=after_step)
         assert [peer.round for peer in rounds] == [last_round] * 2
         for times in due_times:  # on the grid, and the same grid times for both
             assert times and all(t % seconds == 0 for t in times), times
@@ -611,30 +624,9 @@ def test_rounds_counted_in_samples_look_for_their_group_ahead(dhts):
                            outer_lr=0.7, outer_momentum=0.9, matchmaking_time=1.0, averaging_timeout=10.0,
                            next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey())
               for dht, model in zip(dhts(3), models)]
-    errors = []
-
-    def train(index: int) -> None:
-        peer, model = rounds[index], models[index]
-        generator = torch.Generator().manual_seed(index)
-        deadline = time.monotonic() + 90
-        try:
-            while peer.round < last_round and time.monotonic() < deadline:
-                with torch.no_grad():  # an "inner step"
-                    for parameter in model.parameters():
-                        parameter.add_(torch.randn(parameter.shape, generator=generator), alpha=0.01)
-                time.sleep(step_time)
-                peer.after_inner_step(1)
-        except Exception as e:  # reported by the main thread
-            errors.append(e)
-
     try:
         _train_one_sample_each_until_all_seen(rounds)
-        threads = [threading.Thread(target=train, args=(index,)) for index in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors, errors
+        _train_together(rounds, models, [step_time] * 3, last_round, seconds=90)
         assert [peer.round for peer in rounds] == [last_round] * 3
         assert all(peer.rounds_averaged == last_round for peer in rounds), [
             (p.rounds_averaged, p.rounds_alone, p.rounds_failed, p.rounds_missed) for p in rounds]
