@@ -44,7 +44,7 @@ from hivetrain.overlapped_round import RoundInFlight
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import INT64_MAX, others_epochs, vetted
 from hivetrain.speedups import FiniteSteps
-from hivetrain.swarm import RECORD_LIFETIME, read_records_beside_own, withdraw_records
+from hivetrain.swarm import DHT_READ_TIMEOUT, RECORD_LIFETIME, read_records_beside_own, withdraw_records
 from hivetrain.telemetry import bounded_sum
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class DiLoCoRounds:
         while the round is `looking` for its group and most other peers' records state a later round. Most, not
         one: a single record (one that lies, or a peer that went on alone) must not cut every peer's search short.
         None (go on) when the records cannot be read."""
-        epochs = others_epochs(self.tracker)
+        epochs = others_epochs(self.tracker, DHT_READ_TIMEOUT)
         if epochs is None:
             return None
         if not epochs:

@@ -116,7 +116,7 @@ def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
     control, outcome = MPFuture(), []  # a round that never finds its group
 
     def wait() -> None:
-        outcome.append(wait_unless_left_alone(control, lambda: others_epochs(tracker) == [], timeout=60.0))
+        outcome.append(wait_unless_left_alone(control, lambda: others_epochs(tracker, timeout=10.0) == [], timeout=60.0))
 
     waiting = threading.Thread(target=wait)
     waiting.start()
