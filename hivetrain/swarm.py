@@ -129,7 +129,7 @@ def check_port_free(host_maddrs: list[str]) -> None:
                 raise SwarmError(f"cannot listen on {maddr}: {e.strerror} (is another coordinator running?)") from None
 
 
-class _ShutdownRaceFilter(logging.Filter):
+class _HarmlessRaceFilter(logging.Filter):
     """Drops hivemind's tracebacks of harmless races: an averager process that has just exited leaves a message in
     the DHT's pipe whose reply channel is gone; a round this peer cancelled (its group given up, or no longer needed)
     ends in hivemind's averager all the same, which then fails to set the cancelled step's result (asyncio's "Task
@@ -189,8 +189,8 @@ def quiet_shutdown() -> None:
     before starting the DHT: its processes are forked and inherit the filters."""
     for name in ("hivemind.dht.dht", "asyncio"):
         logger_ = logging.getLogger(name)
-        if not any(isinstance(f, _ShutdownRaceFilter) for f in logger_.filters):
-            logger_.addFilter(_ShutdownRaceFilter())
+        if not any(isinstance(f, _HarmlessRaceFilter) for f in logger_.filters):
+            logger_.addFilter(_HarmlessRaceFilter())
     sys.unraisablehook = _quiet_unraisable
 
 
