@@ -10,8 +10,8 @@ No module outside this package touches hivemind's private names (tests/test_hive
 
   runtime    tensor serialisation and command pipes (patched at import), hivemind's log handler, a direct dial
   records    progress records (a hooked tracker, a peer's own record) and signed records (formats, keys, signing)
-  averaging  robust aggregation inside the all-reduce, RPC names, state servers, vetted state downloads, and RPCs
-             answered only for a private run's members
+  allreduce  robust aggregation inside the all-reduce (its part reducer and runner)
+  averaging  RPC names, state servers, vetted state downloads, and RPCs answered only for a private run's members
   optimizer  hivemind.Optimizer's factories and scheduling (PatchedOptimizer), a state averager's schedule
   dht        inside a DHT node (in its own process): key IDs, its storage and cache, routing table, pings, validator
              and authorizer
@@ -44,10 +44,10 @@ from hivetrain.hivemind_internals.records import (HookedProgressTracker, SIGNATU
                                                   announce_and_count_peers, identity_key, progress_subkey,
                                                   rsa_key_from_der, sign_records_with, signature_checker,
                                                   write_identity)  # noqa: E402
+from hivetrain.hivemind_internals.allreduce import (MIN_ROBUST_GROUP_SIZE, PartCopies, RobustAllReduceRunner,
+                                                    RobustAveraging, RobustPartReducer)  # noqa: E402
 from hivetrain.hivemind_internals.averaging import (BoundedDownloads, BoundedStateAverager, GroupClosesWhenFull,
-                                                    JoinsStateServer, MIN_ROBUST_GROUP_SIZE, MembersOnly, PartCopies,
-                                                    RobustAllReduceRunner, RobustAveraging, RobustPartReducer,
-                                                    STATE_BYTES_FACTOR, STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT,
+                                                    JoinsStateServer, MembersOnly, STATE_BYTES_FACTOR, STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT,
                                                     LEFT_ALONE_CHECK_S, members_only_class, named_for_rpc_as,
                                                     robust_averager_class, wait_unless_left_alone)  # noqa: E402
 from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_schedule  # noqa: E402

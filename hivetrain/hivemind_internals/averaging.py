@@ -1,5 +1,5 @@
-"""Inside hivemind's averagers: robust aggregation in the all-reduce's part reducer, our subclasses answering under
-hivemind's RPC names, a state server joined on shutdown, and state downloads vetted before they are deserialised."""
+"""Inside hivemind's averagers: our subclasses answering under hivemind's RPC names (robust aggregation mixed in from
+allreduce), a state server joined on shutdown, and state downloads vetted before they are deserialised."""
 
 from __future__ import annotations
 
@@ -10,24 +10,23 @@ import logging
 import random
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional
 
 import hivemind
 import hivemind.averaging.averager
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.control import StepControl
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
+
+from hivetrain.hivemind_internals.allreduce import RobustAveraging
 
 
 # A downloaded state may be this many times the averager's own tensors (parameters, and Adam's two statistics), plus
@@ -37,97 +36,6 @@ STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the
 ADMITTED_FOR = 10.0  # seconds an averager answers a caller its DHT process admitted without asking again
 GROUP_REGISTRATION_POLL = 0.005  # seconds between two looks for the group of a groupmate's part (WaitsForItsGroup)
 logger = logging.getLogger(__name__)
-
-
-# --- robust aggregation inside the all-reduce ---------------------------------------------------------------------
-
-class PartCopies:
-    """Stands in for TensorPartReducer's accumulator, a tensor: hivemind adds each sender's copy of the current part
-    into it (add_(part, alpha=weight)) and, once every sender is in, divides it by the summed weight (div_) to get
-    the mean. This keeps the copies and their weights instead, and div_ returns their robust aggregate. That is all
-    the reducer does with its accumulator, so its own bookkeeping (senders that fail, parts in order) stays hivemind's.
-    """
-
-    def __init__(self, shape: torch.Size, aggregation: Any):
-        self.shape, self.aggregation = shape, aggregation
-        self.parts: list[Optional[torch.Tensor]] = []
-        self.weights: list[float] = []
-
-    def add_(self, part: torch.Tensor, alpha: float = 1.0) -> PartCopies:
-        # A copy of the wrong shape is kept as absent: it still counts as this sender's part in hivemind's tally.
-        self.parts.append(part if isinstance(part, torch.Tensor) and part.shape == self.shape else None)
-        self.weights.append(float(alpha))
-        return self
-
-    def div_(self, denominator: float) -> torch.Tensor:
-        return self.aggregation(self.parts, self.weights, self.shape)
-
-
-class RobustPartReducer(TensorPartReducer):
-    """hivemind's TensorPartReducer whose parts come out as `aggregation(copies, weights, shape)` (a
-    hivetrain.robust.RobustAggregation) rather than as the weighted mean of the peers' copies."""
-
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, aggregation: Any):
-        self.aggregation = aggregation  # before hivemind's __init__, which prepares the first part
-        super().__init__(part_shapes, num_senders)
-
-    def reset_accumulators(self) -> None:
-        super().reset_accumulators()
-        if not self.finished.is_set():
-            self.accumulator = PartCopies(self.part_shapes[self.current_part_index], self.aggregation)
-
-
-class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's AllReduceRunner whose reducer (the parts this peer reduces) is a RobustPartReducer. hivemind builds
-    its reducer inside __init__ with no hook; this replaces it before any part arrives."""
-
-    def __init__(self, *, aggregation: Any, **kwargs):
-        super().__init__(**kwargs)
-        replaced = self.tensor_part_reducer
-        replaced.finished.set()  # never used: without this its finaliser warns that it received no parts
-        self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, aggregation)
-
-
-MIN_ROBUST_GROUP_SIZE = 3  # the smallest averaging group in which a robust aggregate can outvote one peer
-
-
-class RobustAveraging:
-    """A mixin for a hivemind DecentralizedAverager (put it first among the bases): with `aggregation` (a
-    hivetrain.robust.RobustAggregation) its all-reduce rounds reduce their parts robustly; with None, as hivemind
-    does. The averager's process forks in its __init__ (start=True), so the aggregation is set before that."""
-
-    aggregation: Any = None
-
-    def __init__(self, *args, aggregation: Any = None, **kwargs):
-        self.aggregation = aggregation
-        if aggregation is not None:
-            # Between two copies no aggregate can tell the honest one: CenteredClip and the trimmed mean are both the
-            # mean there. A malicious peer that paired off with one honest peer (groups split when peers reach a round
-            # at different times) ruined it, and then outnumbered the honest copies in later groups.
-            kwargs["min_group_size"] = max(kwargs.get("min_group_size", 2), MIN_ROBUST_GROUP_SIZE)
-        super().__init__(*args, **kwargs)
-
-    # hivemind's DecentralizedAverager._run_allreduce_inplace_, building a RobustAllReduceRunner: hivemind names the
-    # runner class inside the method.
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
-                                      group_id: Optional[bytes] = None, **kwargs):
-        if self.aggregation is None:
-            return await super()._run_allreduce_inplace_(tensors, group_info, group_id=group_id, **kwargs)
-        group_id = group_info.group_id if group_id is None else group_id
-        runner = RobustAllReduceRunner(
-            aggregation=self.aggregation, p2p=self._p2p, servicer_type=type(self), prefix=self.prefix,
-            tensors=tensors, group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
-        if group_id not in self._running_groups:
-            raise RuntimeError(f"group {group_id} was not registered in _register_allreduce_group")
-        self._running_groups[group_id].set_result(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update, alpha=self._averaging_alpha)
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        else:
-            async for unexpected_update in runner:
-                raise ValueError("aux peers should not receive averaged tensors")
 
 
 def named_for_rpc_as(averager_class: type) -> Callable[[type], type]:
