@@ -16,25 +16,31 @@ from benchmarks.harness import Process, start_coordinator
 
 PUBLISHERS = (16, 64, 256)
 PER_PROCESS = 64  # simulated peers per publisher process (they share its p2p daemon)
-WINDOW_S, SMOKE_WINDOW_S = 60.0, 15.0
+LOOK_EVERY = 2.0  # seconds between the coordinator's looks (--refresh)
+WINDOW_S, SMOKE_WINDOW_S = 60.0, 7.0  # a smoke run's window: three looks or more
 
 
 def monitor_suite(work: Path, smoke: bool) -> dict:
+    from hivetrain.telemetry import PUBLISH_EVERY
+
     window_s = SMOKE_WINDOW_S if smoke else WINDOW_S
-    results = [monitor_run(work, count, window_s) for count in (PUBLISHERS[:1] if smoke else PUBLISHERS)]
+    # before the window: every simulated peer has refreshed its records once (a full run's steady state), or, in a
+    # smoke run, the coordinator has looked twice since each published its first
+    settle_s = 2 * LOOK_EVERY if smoke else 2 * PUBLISH_EVERY
+    results = [monitor_run(work, count, window_s, settle_s) for count in (PUBLISHERS[:1] if smoke else PUBLISHERS)]
     return dict(results=results, per_process=PER_PROCESS)
 
 
-def monitor_run(work: Path, count: int, window_s: float) -> dict:
-    """A coordinator (a look every 2 s) and `count` publishers: its looks, the peers it counted and its CPU and
-    memory over `window_s` seconds once every simulated peer has published."""
+def monitor_run(work: Path, count: int, window_s: float, settle_s: float) -> dict:
+    """A coordinator (a look every LOOK_EVERY s) and `count` publishers: its looks, the peers it counted and its CPU
+    and memory over `window_s` seconds, from `settle_s` seconds after every simulated peer has published."""
     from benchmarks.harness import MONITOR_ONLY
     from hivetrain.metrics_store import MetricsReader
 
     name = f"monitor-{count}"
     roles: list[Process] = []
     try:
-        coordinator, addresses = start_coordinator(work, name, [*MONITOR_ONLY, "--refresh", "2"])
+        coordinator, addresses = start_coordinator(work, name, [*MONITOR_ONLY, "--refresh", f"{LOOK_EVERY:g}"])
         roles.append(coordinator)
         run_id = coordinator.event("serving")["run_id"]
         processes = -(-count // PER_PROCESS)
@@ -46,7 +52,7 @@ def monitor_run(work: Path, count: int, window_s: float) -> dict:
                                  events=work / f"{name}-publishers-{index}.events"))
         for publishers in roles[1:]:
             publishers.wait_for_event("publishing", timeout=300)
-        time.sleep(2 * 5.0)  # every simulated peer has refreshed its records at least once
+        time.sleep(settle_s)
         started = time.time()
         time.sleep(window_s)
         ended = time.time()
