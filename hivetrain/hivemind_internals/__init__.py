@@ -47,9 +47,11 @@ from hivetrain.hivemind_internals.records import (HookedProgressTracker, SIGNATU
 from hivetrain.hivemind_internals.allreduce import (MIN_ROBUST_GROUP_SIZE, PartCopies, RobustAllReduceRunner,
                                                     RobustAveraging, RobustPartReducer)  # noqa: E402
 from hivetrain.hivemind_internals.averaging import (BoundedDownloads, BoundedStateAverager, GroupClosesWhenFull,
-                                                    JoinsStateServer, MembersOnly, STATE_BYTES_FACTOR, STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT,
-                                                    LEFT_ALONE_CHECK_S, members_only_class, named_for_rpc_as,
-                                                    robust_averager_class, wait_unless_left_alone)  # noqa: E402
+                                                    JoinsStateServer, MembersOnly, STATE_BYTES_FACTOR,
+                                                    STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT, LEFT_ALONE_CHECK_S,
+                                                    members_only_class,
+                                                    named_for_rpc_as, robust_averager_class,
+                                                    wait_unless_left_alone)  # noqa: E402
 from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_schedule  # noqa: E402
 
 __all__ = [
@@ -58,7 +60,8 @@ __all__ = [
     "announce_and_count_peers", "identity_key", "progress_subkey", "rsa_key_from_der", "sign_records_with",
     "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
     "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
-    "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "STATE_SERVER_JOIN_TIMEOUT",
+    "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK",
+    "STATE_SERVER_JOIN_TIMEOUT",
     "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "wait_unless_left_alone",
     "PatchedOptimizer", "catch_up_schedule",
 ]
