@@ -112,9 +112,10 @@ class SwarmConfig:
     # at H = 8 on the demo preset they were 0.7 points behind blocking rounds, and both behind DDP).
     overlap_rounds: bool = False
     # diloco: rounds paced in seconds instead of steps. A round falls due every round_seconds seconds of the wall
-    # clock, on one grid all peers share (hivetrain.diloco.next_round_time), and each peer takes as many inner steps
-    # as its device fits in that time: a GPU peer and a CPU peer share one schedule, each pseudo-gradient weighted by
-    # its samples. Each peer looks for its group ahead of the round, so matchmaking is off the critical path.
+    # clock, on one grid all peers share (hivetrain.round_schedule.next_round_time), and each peer takes as many
+    # inner steps as its device fits in that time: a GPU peer and a CPU peer share one schedule, each
+    # pseudo-gradient weighted by its samples. Each peer looks for its group ahead of the round, so matchmaking is
+    # off the critical path.
     # inner_steps stays the nominal H, which the inner LR schedule counts per round. None: rounds of H steps.
     round_seconds: Optional[float] = None
 

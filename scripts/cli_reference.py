@@ -18,7 +18,7 @@ PAGE = ROOT / "docs" / "cli.md"
 
 def _commands() -> list[tuple[str, str, argparse.ArgumentParser]]:
     """(command in a clone, the installed one, its parser) for each role's command."""
-    from hivetrain.roles.coordinator.start import build_parser as coordinator
+    from hivetrain.roles.coordinator.options import build_parser as coordinator
     from hivetrain.roles.coordinator.tokens import issue_token_parser, revoke_token_parser
     from hivetrain.roles.dashboard.launch import build_parser as dashboard
     from hivetrain.roles.peers.join import build_parser as join

@@ -103,7 +103,7 @@ def test_second_coordinator_on_a_busy_port(spawn, tmp_path):
 
 
 def test_swarm_settings_change_the_published_run_config():
-    from hivetrain.roles.coordinator.start import parse_args, run_config
+    from hivetrain.roles.coordinator.options import parse_args, run_config
 
     preset = get_preset("demo")
     config = run_config(parse_args(["--preset", "demo", "--target-batch-size", "256", "--grad-compression", "fp16",

@@ -12,7 +12,8 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
-from hivetrain.diloco import DiLoCoRounds, RoundTracker, next_round_time
+from hivetrain.diloco import DiLoCoRounds
+from hivetrain.round_schedule import RoundTracker, next_round_time
 from hivetrain.digests import tensors_digest
 from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S
 from hivetrain.hivemind_internals.records import announce_and_count_peers, progress_subkey

@@ -29,7 +29,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from conftest import publisher_identity, start_coordinator
 from hivetrain.roles.coordinator.swarm_monitor import SwarmMonitor
 from hivetrain.config import get_preset
-from hivetrain.diloco import RoundTracker
+from hivetrain.round_schedule import RoundTracker
 from hivetrain.metrics_store import MetricsReader, MetricsWriter
 from hivetrain.outer_state import outer_state_prefix
 from hivetrain.record_guard import INT64_MAX, RateLimitedWarnings, VettedProgressTracker, usable_entries, vetted

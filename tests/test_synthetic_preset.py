@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from hivetrain.roles.coordinator.start import parse_args as coordinator_args
+from hivetrain.roles.coordinator.options import parse_args as coordinator_args
 from hivetrain.config import DATASETS, RunConfig, get_preset
 from hivetrain.data import make_datamodule
 from hivetrain.pixels import DATASET_STATS

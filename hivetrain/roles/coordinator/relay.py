@@ -15,7 +15,7 @@ the all-reduce, with no weight and no tensors of its own, the run's robust aggre
 
 Its search for the group starts when the round comes due by the records, as the peers' own do, and lasts the run's
 matchmaking time: the peers that notice the round within it average together. Rounds paced in seconds fall due on
-the clock's grid (hivetrain.diloco.next_round_time): its group forms when theirs does (group_time).
+the clock's grid (hivetrain.round_schedule.next_round_time): its group forms when theirs does (group_time).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 
 from hivetrain.config import RunConfig
-from hivetrain.diloco import group_time, next_round_time
+from hivetrain.round_schedule import group_time, next_round_time
 from hivetrain.events import EventLog
 from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, members_only_class, named_for_rpc_as,
                                           robust_averager_class)
@@ -177,7 +177,8 @@ class RoundRelay(Relay):
         if self.robust:
             self.outer.set_group_bits(f"{round_ % 4:02b}")
         started, cpu_before = time.perf_counter(), self._averager_cpu_seconds()
-        # paced in seconds: the group forms when the peers' own searches aim (hivetrain.diloco.group_time)
+        # paced in seconds: the group forms when the peers' own searches aim
+        # (hivetrain.round_schedule.group_time)
         wait = max(0.0, at - time.time()) if at is not None else 0.0
         try:
             gathered = self.outer.step(gather=RELAY_GATHER, scheduled_time=at, timeout=wait + self.averaging_timeout)

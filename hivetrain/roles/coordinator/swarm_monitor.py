@@ -15,7 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from hivetrain.clock import read_clock, swarm_epoch
 from hivetrain.config import RunConfig
-from hivetrain.diloco import next_round_time, paced_round_samples
+from hivetrain.round_schedule import next_round_time, paced_round_samples
 from hivetrain.metrics_store import MetricsWriter, PeerRow, SwarmSnapshot
 from hivetrain.telemetry import PeerIdOwners, bounded_sum, finite_or_none, read_peer_records, read_swarm_progress
 
@@ -72,8 +72,8 @@ class SwarmMonitor:
         # compute-only rate that leaves the rounds out: on the sync demo about 20 times what the peers trained.)
         samples_per_second = bounded_sum(r.samples_per_second for r in records)
         swarm = self.config.swarm
-        # diloco: a round is due after H steps of the run's batch per peer (hivetrain.diloco.RoundTracker), or, paced
-        # in seconds, at its time on the clock's grid, after what the swarm trains in that time
+        # diloco: a round is due after H steps of the run's batch per peer (hivetrain.round_schedule.RoundTracker),
+        # or, paced in seconds, at its time on the clock's grid, after what the swarm trains in that time
         target = (swarm.inner_steps * self.config.batch_size * max(1, progress.peers) if swarm.mode == "diloco"
                   else swarm.target_batch_size)
         remaining = max(0, target - progress.samples_accumulated)

@@ -316,7 +316,7 @@ def _train(args: argparse.Namespace, dht, config, client_mode: bool, data_seed: 
     from hivetrain.batch_size import BatchChoice, BatchSearchError
     from hivetrain.data import make_datamodule
     from hivetrain.datasets import DatasetUnavailable
-    from hivetrain.diloco import rounds_description
+    from hivetrain.round_schedule import rounds_description
     from hivetrain.events import EventLog
     from hivetrain.model import PretrainedWeightsUnavailable, choose_device, create_model, save_weights
     from hivetrain.module import ImageClassifier
