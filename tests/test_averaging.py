@@ -252,6 +252,33 @@ def test_a_part_sent_before_its_group_is_triggered_here_waits_for_it():
         first.shutdown()
 
 
+def test_a_peer_that_leaves_right_after_its_round_first_sends_a_client_groupmate_its_results():
+    """A client-mode groupmate (a volunteer nobody can dial) gets its averaged parts only after it has sent all of its
+    own, while the dialable peer's round ends once it holds its own: a peer that left right after its round shut its
+    averager under the client's results, and the client kept its own values for most of its tensors, its round
+    counted as averaged (AnswersBeforeLeaving)."""
+    size = 1_000_000
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(client_mode=True, initial_peers=[str(a) for a in first.get_visible_maddrs()]))
+    common = dict(prefix="leaving", start=True, min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=5.0,
+                  target_group_size=2)
+    leaver = BoundedDownloads(averaged_tensors=[torch.full((size,), 1.0)], dht=first, **common)
+    client = BoundedDownloads(averaged_tensors=[torch.full((size,), 3.0)], dht=second, client_mode=True, **common)
+    try:
+        rounds = [averager.step(timeout=20.0, wait=False) for averager in (leaver, client)]
+        assert rounds[0].result(timeout=30) is not None  # averaged with the client
+        leaver.shutdown()  # at once, as a peer whose run ends there
+        assert rounds[1].result(timeout=30) is not None
+        with client.get_tensors() as (tensor,):
+            assert torch.equal(tensor, torch.full_like(tensor, 2.0)), (tensor != 2.0).sum().item()
+    finally:
+        client.shutdown()
+        if leaver.is_alive():
+            leaver.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
 def test_a_holder_serves_no_epoch_whose_step_is_still_running():
     """hivemind raises a holder's epoch before the epoch's optimizer step runs: a download in between was served
     epoch 1 with the parameters of epoch 0, a state the holder never held (CI, test_rollback in sync mode). The
