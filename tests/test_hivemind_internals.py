@@ -5,6 +5,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import hivemind
@@ -12,6 +13,7 @@ import pytest
 
 from hivetrain import hivemind_internals
 from hivetrain.hivemind_internals import SUPPORTED_HIVEMIND_VERSIONS, check_hivemind_version
+from hivetrain.hivemind_internals.records import PROGRESS_STORE_EVERY, HookedProgressTracker, progress_subkey
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hivetrain", "coordinator", "peers", "baselines")
@@ -147,6 +149,45 @@ def test_a_dht_survives_many_large_stores_at_once():
         assert all(store.result(timeout=60) for store in stores)
         assert dht.is_alive() and dht.get("key299", latest=True).value == value + bytes([299 % 256])
     finally:
+        dht.shutdown()
+
+
+def test_a_peers_progress_record_is_stored_at_most_every_half_second_within_an_epoch_and_at_once_on_a_new_one():
+    """hivemind stored a peer's progress record at each report, that is at each step (up to 35 a second per peer on the
+    demo), each one signed and verified by every DHT node it reached."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    stores: list[tuple[float, int, int]] = []  # (time, epoch, samples) of each store of the record
+    store = dht.store
+
+    def counted(key, value, *args, **kwargs):
+        if isinstance(value, dict) and "samples_accumulated" in value:
+            stores.append((time.monotonic(), value["epoch"], value["samples_accumulated"]))
+        return store(key, value, *args, **kwargs)
+
+    dht.store = counted  # the tracker's reporter stores through its DHT object
+    tracker = HookedProgressTracker(dht, "throttled", target_batch_size=10**9, start=True)
+    try:
+        began = time.monotonic()
+        for samples in range(1, 201):  # 200 steps in about a second
+            tracker.report_local_progress(0, samples)
+            time.sleep(0.005)
+        reported = time.monotonic()
+        time.sleep(PROGRESS_STORE_EVERY + 0.5)
+        within = [entry for entry in stores if entry[0] <= reported + PROGRESS_STORE_EVERY + 0.2]
+        assert 2 <= len(within) <= (reported - began) / PROGRESS_STORE_EVERY + 2, within
+        assert within[-1][1:] == (0, 200)  # the last report held back is stored when due
+        assert all(b[0] - a[0] >= PROGRESS_STORE_EVERY / 2 for a, b in zip(within, within[1:])), within  # not per step
+
+        tracker.report_local_progress(0, 300)  # stored at once: the last store was over PROGRESS_STORE_EVERY ago
+        new_epoch_at = time.monotonic()
+        tracker.report_local_progress(1, 0)  # within PROGRESS_STORE_EVERY of it, but a new epoch: stored at once too
+        while stores[-1][1:] != (1, 0) and time.monotonic() < new_epoch_at + 2:
+            time.sleep(0.01)
+        assert stores[-1][1:] == (1, 0) and stores[-1][0] - new_epoch_at < 0.8 * PROGRESS_STORE_EVERY, stores[-3:]
+        found = dht.get(tracker.training_progress_key, latest=True).value[progress_subkey(tracker)].value
+        assert (found["epoch"], found["samples_accumulated"]) == (1, 0)
+    finally:
+        tracker.shutdown(timeout=10)
         dht.shutdown()
 
 
