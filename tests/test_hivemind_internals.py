@@ -152,7 +152,7 @@ def test_a_dht_survives_many_large_stores_at_once():
         dht.shutdown()
 
 
-def test_a_peers_progress_record_is_stored_at_most_every_half_second_within_an_epoch_and_at_once_on_a_new_one():
+def test_a_peers_progress_record_is_stored_at_most_every_half_second_but_at_once_on_a_new_epoch_or_a_reached_target():
     """hivemind stored a peer's progress record at each report, that is at each step (up to 35 a second per peer on the
     demo), each one signed and verified by every DHT node it reached."""
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -165,7 +165,8 @@ def test_a_peers_progress_record_is_stored_at_most_every_half_second_within_an_e
         return store(key, value, *args, **kwargs)
 
     dht.store = counted  # the tracker's reporter stores through its DHT object
-    tracker = HookedProgressTracker(dht, "throttled", target_batch_size=10**9, start=True)
+    TARGET = 1000
+    tracker = HookedProgressTracker(dht, "throttled", target_batch_size=TARGET, start=True)
     try:
         began = time.monotonic()
         for samples in range(1, 201):  # 200 steps in about a second
@@ -178,14 +179,24 @@ def test_a_peers_progress_record_is_stored_at_most_every_half_second_within_an_e
         assert within[-1][1:] == (0, 200)  # the last report held back is stored when due
         assert all(b[0] - a[0] >= PROGRESS_STORE_EVERY / 2 for a, b in zip(within, within[1:])), within  # not per step
 
+        def stored_at_once(epoch: int, samples: int, reported_at: float) -> None:
+            while stores[-1][1:] != (epoch, samples) and time.monotonic() < reported_at + 2:
+                time.sleep(0.01)
+            assert stores[-1][1:] == (epoch, samples), stores[-3:]
+            assert stores[-1][0] - reported_at < PROGRESS_STORE_EVERY / 2, (reported_at, stores[-3:])
+
         tracker.report_local_progress(0, 300)  # stored at once: the last store was over PROGRESS_STORE_EVERY ago
-        new_epoch_at = time.monotonic()
-        tracker.report_local_progress(1, 0)  # within PROGRESS_STORE_EVERY of it, but a new epoch: stored at once too
-        while stores[-1][1:] != (1, 0) and time.monotonic() < new_epoch_at + 2:
-            time.sleep(0.01)
-        assert stores[-1][1:] == (1, 0) and stores[-1][0] - new_epoch_at < 0.8 * PROGRESS_STORE_EVERY, stores[-3:]
+        reported_at = time.monotonic()
+        with tracker.pause_updates():
+            tracker.update_epoch(1)  # within PROGRESS_STORE_EVERY of it, but a new epoch: stored at once too
+        stored_at_once(1, 0, reported_at)
+        time.sleep(0.05)  # its reporter stored that one and waits again
+        tracker.report_local_progress(1, 10)  # held...
+        reported_at = time.monotonic()
+        tracker.report_local_progress(1, TARGET)  # ...but with this one the swarm reached its target: at once
+        stored_at_once(1, TARGET, reported_at)
         found = dht.get(tracker.training_progress_key, latest=True).value[progress_subkey(tracker)].value
-        assert (found["epoch"], found["samples_accumulated"]) == (1, 0)
+        assert (found["epoch"], found["samples_accumulated"]) == (1, TARGET)
     finally:
         tracker.shutdown(timeout=10)
         dht.shutdown()

@@ -21,8 +21,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 # --- progress records ---------------------------------------------------------------------------------------------
 
-# Seconds between two stores of a peer's progress record within one epoch (a new epoch, or samples reset, is stored at
-# once). hivemind stores it at every report, that is at every step: up to 35 stores a second per peer on the demo, each
+# Seconds between two stores of a peer's progress record within one epoch (a new epoch, samples reset, or the report
+# with which the swarm's samples reach the target as this peer counts them, is stored at once: the others learn at
+# their next read that the epoch or round is due). hivemind stores it at every report, that is at every step: up to 35 stores a second per peer on the demo, each
 # signed, sent, and verified by every DHT node it reaches. Readers extrapolate a record by the rate it states, and read
 # no more often than hivemind's min_refresh_period (0.5 s).
 PROGRESS_STORE_EVERY = 0.5
@@ -81,9 +82,13 @@ class HookedProgressTracker(ProgressTracker):
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         at_once = (local_epoch != self.local_progress.epoch
                    or samples_accumulated < self.local_progress.samples_accumulated)
+        was_due = self._target_reached()
         super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
-        if at_once:
+        if at_once or (self._target_reached() and not was_due):
             self.should_report_progress.set_now()
+
+    def _target_reached(self) -> bool:
+        return self.global_progress.samples_accumulated >= self.target_batch_size
 
     def shutdown(self, timeout: Optional[float] = None):
         self.shutdown_triggered.set()
