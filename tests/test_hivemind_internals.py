@@ -152,9 +152,10 @@ def test_a_dht_survives_many_large_stores_at_once():
         dht.shutdown()
 
 
-def test_a_peers_progress_record_is_stored_at_most_every_half_second_but_at_once_on_a_new_epoch_or_a_reached_target():
+def test_a_peers_progress_record_is_stored_at_most_every_half_second_but_at_once_when_others_need_it():
     """hivemind stored a peer's progress record at each report, that is at each step (up to 35 a second per peer on the
-    demo), each one signed and verified by every DHT node it reached."""
+    demo), each one signed and verified by every DHT node it reached. At once: a new epoch, its first samples, and the
+    samples that reach the target."""
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     stores: list[tuple[float, int, int]] = []  # (time, epoch, samples) of each store of the record
     store = dht.store
@@ -191,7 +192,11 @@ def test_a_peers_progress_record_is_stored_at_most_every_half_second_but_at_once
             tracker.update_epoch(1)  # within PROGRESS_STORE_EVERY of it, but a new epoch: stored at once too
         stored_at_once(1, 0, reported_at)
         time.sleep(0.05)  # its reporter stored that one and waits again
-        tracker.report_local_progress(1, 10)  # held...
+        reported_at = time.monotonic()
+        tracker.report_local_progress(1, 10)  # the epoch's first samples: at once (hivemind's reporter needs them)
+        stored_at_once(1, 10, reported_at)
+        time.sleep(0.05)
+        tracker.report_local_progress(1, 20)  # held...
         reported_at = time.monotonic()
         tracker.report_local_progress(1, TARGET)  # ...but with this one the swarm reached its target: at once
         stored_at_once(1, TARGET, reported_at)

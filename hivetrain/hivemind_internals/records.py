@@ -21,11 +21,13 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 # --- progress records ---------------------------------------------------------------------------------------------
 
-# Seconds between two stores of a peer's progress record within one epoch (a new epoch, samples reset, or the report
-# with which the swarm's samples reach the target as this peer counts them, is stored at once: the others learn at
-# their next read that the epoch or round is due). hivemind stores it at every report, that is at every step: up to 35 stores a second per peer on the demo, each
-# signed, sent, and verified by every DHT node it reaches. Readers extrapolate a record by the rate it states, and read
-# no more often than hivemind's min_refresh_period (0.5 s).
+# Seconds between two stores of a peer's progress record within one epoch. Stored at once: a new epoch or samples reset,
+# the first samples of an epoch (hivemind's reporter stops storing a peer's record once two epochs passed without a
+# stored record with samples), and the report with which the swarm's samples reach the target as this peer counts them
+# (the others learn at their next read that the epoch or round is due). hivemind stores it at every report, that is
+# at every step: up to 35 stores a second per peer on the demo, each signed, sent, and verified by every DHT node it
+# reaches. Readers extrapolate a record by the rate it states, and read no more often than hivemind's
+# min_refresh_period (0.5 s).
 PROGRESS_STORE_EVERY = 0.5
 
 
@@ -80,8 +82,9 @@ class HookedProgressTracker(ProgressTracker):
         self._report_due = _ReportDue(PROGRESS_STORE_EVERY)
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
-        at_once = (local_epoch != self.local_progress.epoch
-                   or samples_accumulated < self.local_progress.samples_accumulated)
+        before = self.local_progress
+        at_once = (local_epoch != before.epoch or samples_accumulated < before.samples_accumulated
+                   or before.samples_accumulated == 0 < samples_accumulated)
         was_due = self._target_reached()
         super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         if at_once or (self._target_reached() and not was_due):
