@@ -1,5 +1,6 @@
 """One swarm step over two peers equals one local AdamW step on the union of their batches."""
 
+import asyncio
 import threading
 import time
 
@@ -7,11 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hivemind.averaging.control import AveragingStage
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hivetrain.config import get_preset
 from hivetrain.hivemind_internals import BoundedDownloads, BoundedStateAverager, RobustAveraging
+from hivetrain.hivemind_internals.allreduce import ClosesAfterLastPart
 from hivetrain.model import create_model
 from hivetrain.optimizer import make_optimizer
 from hivetrain.robust import RobustAggregation
@@ -277,6 +280,38 @@ def test_a_peer_that_leaves_right_after_its_round_first_sends_a_client_groupmate
             leaver.shutdown()
         second.shutdown()
         first.shutdown()
+
+
+def test_a_sender_closes_a_reducers_answer_stream_once_it_holds_every_part():
+    """The reducer does not close its end after its last answer (the P2P daemon then resets the stream, and a sender
+    slow to read lost its last parts: SenderClosedAllReduceRunner); the sender stops reading and closes the stream
+    itself once it holds the parts it expects. An error code passes through as hivemind reads it."""
+    closed = []
+
+    async def answers(codes):
+        try:
+            for code in codes:
+                yield averaging_pb2.AveragingData(code=code)
+            await asyncio.sleep(3600)  # a reducer that keeps its end open (ANSWER_LINGER)
+        finally:
+            closed.append(len(codes))
+
+    class Stub:
+        def __init__(self, codes):
+            self.codes = codes
+
+        async def rpc_aggregate_part(self, inputs):
+            return answers(self.codes)
+
+    async def read(codes, parts):
+        stream = await ClosesAfterLastPart(Stub(codes), parts).rpc_aggregate_part(None)
+        return [message.code async for message in stream]
+
+    part, error = averaging_pb2.AVERAGED_PART, averaging_pb2.INTERNAL_ERROR
+    assert asyncio.run(asyncio.wait_for(read([part] * 3, 3), 10)) == [part] * 3
+    assert closed == [3]
+    assert asyncio.run(asyncio.wait_for(read([part, error, part], 2), 10)) == [part, error, part]
+    assert closed == [3, 3]
 
 
 def test_a_holder_serves_no_epoch_whose_step_is_still_running():

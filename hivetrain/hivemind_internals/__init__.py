@@ -10,8 +10,9 @@ No module outside this package touches hivemind's private names (tests/test_hive
 
   runtime    tensor serialisation and command pipes (patched at import), hivemind's log handler, a direct dial
   records    progress records (a hooked tracker, a peer's own record) and signed records (formats, keys, signing)
-  allreduce  robust aggregation inside the all-reduce (its part reducer and runner)
-  averaging  RPC names, state servers, vetted state downloads, and RPCs answered only for a private run's members
+  allreduce  the all-reduce's runner: answer streams closed by their sender, robust aggregation (part reducer)
+  averaging  RPC names, state servers, vetted state downloads, RPCs answered only for a private run's members, and
+             a shutdown that first sends groupmates their parts
   optimizer  hivemind.Optimizer's factories and scheduling (PatchedOptimizer), a state averager's schedule
   dht        inside a DHT node (in its own process): key IDs, its storage and cache, routing table, pings, validator
              and authorizer

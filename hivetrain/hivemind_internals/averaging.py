@@ -26,7 +26,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from hivetrain.hivemind_internals.allreduce import RobustAveraging
+from hivetrain.hivemind_internals.allreduce import RobustAveraging, SenderClosedAveraging
 
 
 # A downloaded state may be this many times the averager's own tensors (parameters, and Adam's two statistics), plus
@@ -234,10 +234,10 @@ def _warn_refused(caller: PeerID) -> None:
 
 
 def _missing_mixins(averager_class: type) -> tuple[type, ...]:
-    """The mixins every averager of ours has (MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer,
-    GroupClosesWhenFull) that `averager_class` lacks."""
-    return tuple(mixin for mixin in (MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer,
-                                     GroupClosesWhenFull)
+    """The mixins every averager of ours has (SenderClosedAveraging, MembersOnly, WaitsForItsGroup,
+    AnswersBeforeLeaving, JoinsStateServer, GroupClosesWhenFull) that `averager_class` lacks."""
+    return tuple(mixin for mixin in (SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving,
+                                     JoinsStateServer, GroupClosesWhenFull)
                  if not issubclass(averager_class, mixin))
 
 
@@ -252,8 +252,8 @@ def _subclass_under_its_name(maker: str, averager_class: type, mixins: tuple[typ
 def robust_averager_class(averager_class: type) -> type:
     """`averager_class` (a DecentralizedAverager subclass) with RobustAveraging and the mixins every averager of ours
     has mixed in, under its name (RPC)."""
-    return _subclass_under_its_name("robust_averager_class", averager_class,
-                                    (RobustAveraging, *_missing_mixins(averager_class)))
+    mixins = tuple(mixin for mixin in _missing_mixins(averager_class) if not issubclass(RobustAveraging, mixin))
+    return _subclass_under_its_name("robust_averager_class", averager_class, (RobustAveraging, *mixins))
 
 
 @functools.cache
@@ -264,8 +264,8 @@ def members_only_class(averager_class: type) -> type:
     return _subclass_under_its_name("members_only_class", averager_class, mixins) if mixins else averager_class
 
 
-class BoundedDownloads(MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer, LastingStateOffer,
-                       GroupClosesWhenFull):
+class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer,
+                       LastingStateOffer, GroupClosesWhenFull):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
     process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
     beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than
