@@ -100,7 +100,7 @@ class RobustPartReducer(TensorPartReducer):
 
 
 class RobustAllReduceRunner(SenderClosedAllReduceRunner):
-    """hivemind's AllReduceRunner whose reducer (the parts this peer reduces) is a RobustPartReducer. hivemind builds
+    """A SenderClosedAllReduceRunner whose reducer (the parts this peer reduces) is a RobustPartReducer. hivemind builds
     its reducer inside __init__ with no hook; this replaces it before any part arrives."""
 
     def __init__(self, *, aggregation: Any, **kwargs):
@@ -108,8 +108,6 @@ class RobustAllReduceRunner(SenderClosedAllReduceRunner):
         replaced = self.tensor_part_reducer
         replaced.finished.set()  # never used: without this its finaliser warns that it received no parts
         self.tensor_part_reducer = RobustPartReducer(replaced.part_shapes, replaced.num_senders, aggregation)
-
-
 
 
 class SenderClosedAveraging:

@@ -33,8 +33,8 @@ PROGRESS_STORE_EVERY = 0.5
 
 class _ReportDue(threading.Event):
     """The event on which hivemind's progress reporter stores a peer's record (its should_report_progress), set at most
-    every `every` seconds: a set() that comes sooner is held, and sets it when due. set_now() sets it at once (and drops
-a held one)."""
+    every `every` seconds: a set() that comes sooner is held, and sets it when due. set_now() sets it at once (and
+    drops a held one)."""
 
     def __init__(self, every: float):
         super().__init__()
