@@ -30,11 +30,15 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     single = run_baseline(work, "conv-single", ["--strategy", "single", "--threads", "2", "--batch-size", str(batch),
                                                 "--accumulate", str(global_batch // batch), "--epochs",
                                                 str(data_epochs)])
-    ddp = run_baseline(work, "conv-ddp", ["--strategy", "ddp", "--devices", "2", "--threads", "1", "--batch-size",
-                                          str(batch), "--accumulate", str(global_batch // batch // 2), "--epochs",
-                                          str(data_epochs)])
-    curves = {name: [(point["step"] * record["global_batch_size"], point["top1"]) for point in record["validation"]]
-              for name, record in (("single", single), ("DDP", ddp))}
+    # DDP with as many data orders as each diloco variant, so that the verdict compares a mean with a mean: one
+    # order's final top-1 moved by 1.4 points between seeds 0 and 1 (0.950, 0.936), more than the 1-point target
+    ddp_runs = [run_baseline(work, f"conv-ddp-{seed}", ["--strategy", "ddp", "--devices", "2", "--threads", "1",
+                                                         "--batch-size", str(batch), "--accumulate",
+                                                         str(global_batch // batch // 2), "--epochs", str(data_epochs),
+                                                         "--seed", str(seed)])
+                for seed in range(1 if smoke else CONVERGENCE_SEEDS)]
+    ddp_curves = [_validation_curve(record) for record in ddp_runs]
+    curves = {"single": _validation_curve(single), "DDP": ddp_curves[0]}
     swarm_epochs = single["train_samples"] // global_batch
     # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
     # downloads each state from them, so they must still be there (on this preset they are far faster than it).
@@ -83,9 +87,14 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
         print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
     return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
                 swarm_samples="trained",  # the peers' own counts (records before: nominal, epochs x samples per epoch)
-                seed_curves=seeds,
+                seed_curves=seeds, baseline_seed_curves={"DDP": ddp_curves},
                 grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
-                wall_time_s=dict(single=single["wall_time_s"], DDP=ddp["wall_time_s"]))
+                wall_time_s=dict(single=single["wall_time_s"], DDP=ddp_runs[0]["wall_time_s"]))
+
+
+def _validation_curve(record: dict) -> list:
+    """A baseline's run record as (samples seen, top-1) after each pass over the data."""
+    return [(point["step"] * record["global_batch_size"], point["top1"]) for point in record["validation"]]
 
 # the curves validated by a coordinator, in table order
 CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-grouped")
@@ -135,17 +144,22 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
                      if "diloco-blocking" in curves else ""))
         target = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
         if "seed_curves" in result:  # the mean over seeds, for overlapped and blocking rounds
-            target += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds)."
-                        " Overlapped rounds become the default once they meet it.")
+            ddp_runs = result.get("baseline_seed_curves", {}).get("DDP")
+            target += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds"
+                       + (f"; DDP's mean too, over `--seed` {', '.join(map(str, range(len(ddp_runs))))}, the first"
+                          " of them in the table" if ddp_runs else "") + ")."
+                       " Overlapped rounds become the default once they meet it.")
+            ddp_reached = [at(curve, final_samples) for curve in ddp_runs] if ddp_runs else [f"{final_ddp:.3f}"]
+            ddp_mean = sum(map(float, ddp_reached)) / len(ddp_reached)
+            ddp_what = f"DDP mean {ddp_mean:.3f} ({', '.join(ddp_reached)})" if ddp_runs else f"DDP {final_ddp:.3f}"
             for name, runs in result["seed_curves"].items():
                 reached_runs = [at(curve, final_samples) for curve in runs]
                 if not all(reached_runs):
                     target += f" {name}: **Not met** (a run was not validated by then)."
                     continue
                 mean = sum(map(float, reached_runs)) / len(runs)
-                what = (f"DDP {final_ddp:.3f}, {name} mean {mean:.3f} ({', '.join(reached_runs)}) at {final_samples}"
-                        " samples")
-                target += f" {name}: " + verdict(final_ddp - mean <= 0.01, what)
+                what = f"{ddp_what}, {name} mean {mean:.3f} ({', '.join(reached_runs)}) at {final_samples} samples"
+                target += f" {name}: " + verdict(ddp_mean - mean <= 0.01, what)
         else:
             what = f"DDP {final_ddp:.3f}, diloco {reached} at {final_samples} samples"
             target += ". " + (verdict(gap <= 0.01, what) if gap is not None

@@ -65,6 +65,7 @@ def test_convergence_suite_smoke():
     assert "| samples seen | single | DDP | swarm | diloco | diloco-blocking | diloco-grouped |" in section
     assert "groups of at most 2" in section and "diloco-blocking: **" in section  # a verdict for each variant
     assert [len(runs) for runs in result["seed_curves"].values()] == [1, 1]  # one data order each in the smoke
+    assert result["baseline_seed_curves"]["DDP"] == [curves["DDP"]] and "DDP mean" in section  # mean against mean
 
 
 def test_links_suite_smoke():
