@@ -23,22 +23,19 @@ import torch
 from hivemind import DHT
 from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, NoCompression
-from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
-from hivetrain.hivemind_internals import progress_subkey
 from hivetrain.outer_state import GivenUp, OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.overlapped_round import RoundInFlight
 from hivetrain.robust import RobustAggregation
 from hivetrain.record_guard import others_epochs, vetted
 from hivetrain.round_schedule import RoundTracker, group_time, next_round_time
 from hivetrain.speedups import FiniteSteps
-from hivetrain.swarm import DHT_READ_TIMEOUT, RECORD_LIFETIME, read_records_beside_own, withdraw_records
+from hivetrain.swarm import DHT_READ_TIMEOUT, RECORD_LIFETIME, withdraw_records
 
 logger = logging.getLogger(__name__)
 
 GROUPMATES_WAIT = 5.0  # seconds a leaving peer waits at most for the groupmates of its last round to finish it
-GROUPMATE_GONE_AFTER = 1.0  # seconds a groupmate's record must stay missing before the leaver takes it as gone
 
 
 class DiLoCoRounds:
@@ -389,39 +386,14 @@ class DiLoCoRounds:
             withdraw_records(self.outer.dht, tracker, [self.outer])
 
     def shutdown(self) -> None:
-        """Leave: withdraw this peer's records (if not done at the first sign of leaving), let the groupmates of its
-        last round finish it, then stop."""
+        """Leave: withdraw this peer's records (if not done at the first sign of leaving), let a round in flight
+        finish, then stop."""
         self.withdraw()
         self.cancel_scheduled()
         # a round in flight has groupmates that wait for this peer's parts: let it finish, within reason
         self.finish_round(timeout=GROUPMATES_WAIT)
         if self.flight is None:  # the model leaves as the swarm's (--save-weights), without the steps since the round
             self.outer.copy_to(self.parameters)
-        self.wait_for_last_groupmates()
+        # The averager's shutdown first sends the groupmates of its last round the parts it reduced for them, which
+        # they may still be reading (hivemind_internals.AnswersBeforeLeaving)
         self.outer.shutdown()
-
-    def wait_for_last_groupmates(self, timeout: float = GROUPMATES_WAIT) -> None:
-        """Wait, at most `timeout` seconds, until every groupmate of this peer's last round reports a later round or is
-        gone. A peer's all-reduce ends when it holds every averaged part, while its groupmates may still be reading
-        the parts it reduced: a peer that stopped right after its round (--stop-at-epoch) and exited then closed its
-        connections under them, and they kept half-averaged parameters, apart from everyone else's."""
-        waiting, deadline = set(self.outer.last_groupmates), time.monotonic() + timeout
-        absent_since: dict[bytes, float] = {}
-        while waiting:
-            records = read_records_beside_own(self.outer.dht, self.tracker.training_progress_key,
-                                              LocalTrainingProgress, progress_subkey(self.tracker))
-            now = time.monotonic()
-            rounds = {record.peer_id: record.epoch for record in records} if records is not None else {}
-            for peer in list(waiting):
-                if peer in rounds:
-                    absent_since.pop(peer, None)
-                    if rounds[peer] >= self.round:
-                        waiting.discard(peer)
-                # Gone once its record stays missing from reads that found this peer's own entry: a read can come
-                # back without a record that is there (tests/test_diloco.py saw this wait end at once, the
-                # groupmate's record just read at round 0), and a single read can miss one a moment
-                elif records is not None and now - absent_since.setdefault(peer, now) >= GROUPMATE_GONE_AFTER:
-                    waiting.discard(peer)
-            if not waiting or now > deadline:
-                break
-            time.sleep(0.1)

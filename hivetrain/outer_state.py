@@ -104,7 +104,6 @@ class OuterState(RobustAveraging, BoundedDownloads):
         self.round = 0
         self.last_pseudo_gradient_norm: Optional[float] = None  # this peer's own, in its last round
         self.last_group_size = 0  # peers in its last round, itself included
-        self.last_groupmates: list[bytes] = []  # the others of its last round (peer IDs): see DiLoCoRounds.shutdown
         self.states_served = 0  # state downloads this peer has answered (benchmarks.scale: where joiners go)
         # A round whose group was looked for ahead (schedule_round): whether the group stood ready when it fell due
         self.group_ready_when_due: Optional[bool] = None
@@ -263,7 +262,7 @@ class OuterState(RobustAveraging, BoundedDownloads):
             catching_up, self.catching_up = self.catching_up, False
         if catching_up and timeout is not None:
             weight = CATCH_UP_WEIGHT
-        self.last_pseudo_gradient_norm, self.last_group_size, self.last_groupmates = squares ** 0.5, 1, []
+        self.last_pseudo_gradient_norm, self.last_group_size = squares ** 0.5, 1
         averaged, self.group_ready_when_due = False, None
         try:
             gathered = self._average_own_step(started_round, weight, timeout, after_own_step, scheduled)
@@ -279,7 +278,6 @@ class OuterState(RobustAveraging, BoundedDownloads):
             # round beyond the coordinator's clock (hivetrain.clock) is a groupmate's word against it, skipped.
             ended_round = max([started_round, *self._usable_rounds(trainers.values())]) + 1
             averaged, self.last_group_size = len(trainers) > 1, len(trainers)
-            self.last_groupmates = [peer.to_bytes() for peer in trainers if peer != self.peer_id]
         with self._state_lock, self.get_tensors(), torch.no_grad():  # the momentum takes the averaged pseudo-gradient
             for outer, anchor, buffer in zip(self.outer_parameters, start, self.momentum):
                 anchor.sub_(buffer, alpha=lr * m * m)  # the anchor, as the outer step took it

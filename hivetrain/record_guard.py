@@ -367,7 +367,8 @@ def others_epochs(tracker: HookedProgressTracker, timeout: float) -> Optional[li
     """The epochs the other peers' usable progress entries state now, read from the DHT (a vetted tracker's own
     reads pause while its peer runs a round); an empty list once they have all withdrawn them. None when the read
     fails or takes over `timeout` seconds, or comes back without this peer's own entry (live, or cleared as it left):
-    such a read may have missed the others' too (swarm.read_records_beside_own)."""
+    such a read may have missed the others' too: under a loaded suite a read of a record just seen came back without
+    it."""
     try:  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever (swarm._read_entries)
         found = tracker.dht.get(tracker.training_progress_key, latest=True, return_future=True).result(timeout=timeout)
     except Exception:

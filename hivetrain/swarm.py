@@ -412,17 +412,6 @@ def read_signed_records(dht: hivemind.DHT, key: str, schema: type[Record],
     return [(subkey, record) for subkey, _, record in usable_entries(key, _read_entries(dht, key, timeout), schema)]
 
 
-def read_records_beside_own(dht: hivemind.DHT, key: str, schema: type[Record], own_subkey: bytes,
-                            timeout: float = DHT_READ_TIMEOUT) -> Optional[list[Record]]:
-    """read_records, or None when the read came back without this peer's own entry under `key` (live, or cleared as
-    it left): such a read may have missed the others' entries too, so what it lacks says nothing. Under a loaded
-    suite a read of a record just seen came back without it (tests/test_diloco.py)."""
-    entries = _read_entries(dht, key, timeout)
-    if not isinstance(entries, dict) or own_subkey not in entries:
-        return None
-    return [record for _, _, record in usable_entries(key, entries, schema)]
-
-
 def _read_entries(dht: hivemind.DHT, key: str, timeout: float) -> Any:
     """What a read of `key` found (the per-peer entries of a key with subkeys), or None."""
     try:  # a reply hivemind cannot decode leaves its future unresolved: never wait on it forever
