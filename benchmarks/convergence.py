@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from benchmarks.harness import run_baseline, run_swarm, samples_trained_by, validated_epoch
@@ -50,6 +51,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
                          until=lambda _peers: validated_epoch(work / "conv-swarm" / "metrics.sqlite") >= swarm_epochs)
     with MetricsReader(work / "conv-swarm" / "metrics.sqlite") as store:
         curves["swarm"] = [(samples_trained_by(peers, row.epoch), row.top1) for row in store.validations()]
+    per_epoch = {"swarm": dict(nominal=global_batch // 2, trained=_trained_per_epoch(peers))}
     # diloco: a round is due after CONVERGENCE_INNER_STEPS steps of `batch` per peer, so the peers train until the
     # round whose nominal r x H x batch x 2 samples reach a pass over the data, with the others' learning rate at the
     # same samples seen (the curves count what the peers really trained). Overlapped rounds (the
@@ -69,6 +71,8 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
             with MetricsReader(work / label / "metrics.sqlite") as store:
                 seeds.setdefault(name, []).append([(samples_trained_by(peers, row.epoch), row.top1)
                                                    for row in store.validations()])
+            if seed == 0:
+                per_epoch[name] = dict(nominal=CONVERGENCE_INNER_STEPS * batch, trained=_trained_per_epoch(peers))
         curves[name] = seeds[name][0]
     # The same in groups: more peers, each still taking H steps per round, and the schedule stretched for them, so the
     # learning rate is again the others' at the same samples seen. The coordinator validates one peer's parameters.
@@ -83,13 +87,34 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
         until=lambda _peers: validated_epoch(work / "conv-diloco-grouped" / "metrics.sqlite") >= grouped_rounds)
     with MetricsReader(work / "conv-diloco-grouped" / "metrics.sqlite") as store:
         curves["diloco-grouped"] = [(samples_trained_by(peers, row.epoch), row.top1) for row in store.validations()]
+    per_epoch["diloco-grouped"] = dict(nominal=CONVERGENCE_INNER_STEPS * batch, trained=_trained_per_epoch(peers))
     for name, curve in curves.items():
         print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
     return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
                 swarm_samples="trained",  # the peers' own counts (records before: nominal, epochs x samples per epoch)
-                seed_curves=seeds, baseline_seed_curves={"DDP": ddp_curves},
+                seed_curves=seeds, baseline_seed_curves={"DDP": ddp_curves}, samples_per_epoch=per_epoch,
                 grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp_runs[0]["wall_time_s"]))
+
+
+def _per_epoch_text(per_epoch: dict | None) -> str:
+    """What a peer trained per swarm epoch (diloco: round), nominal against its epoch events; older records: nothing."""
+    if not per_epoch:
+        return ""
+    return ("\n\nSamples a peer trained per swarm epoch (diloco: per round), the run's nominal share against the"
+            " median of the peers' epoch events (first data order): "
+            + ", ".join(f"{name} {figures['nominal']} against {figures['trained']:.0f}"
+                        for name, figures in per_epoch.items()) + ".")
+
+
+def _trained_per_epoch(peers: list) -> float:
+    """The median of the samples a peer trained between two of its consecutive swarm epochs (diloco: rounds), over
+    every peer's epoch events."""
+    steps = []
+    for peer in peers:
+        counts = [event["samples"] for event in peer.events("epoch")]
+        steps += [after - before for before, after in zip(counts, counts[1:])]
+    return statistics.median(steps) if steps else 0.0
 
 
 def _validation_curve(record: dict) -> list:
@@ -188,5 +213,5 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
         f"{rows}\n"
         + "\n".join(f"Every validation of the {name} (samples seen: top-1): "
                     + ", ".join(f"{samples}: {top1:.3f}" for samples, top1 in curves[name]) + "." for name in swarms)
-        + target + "\n"
+        + _per_epoch_text(result.get("samples_per_epoch")) + target + "\n"
     )

@@ -66,6 +66,10 @@ def test_convergence_suite_smoke():
     assert "groups of at most 2" in section and "diloco-blocking: **" in section  # a verdict for each variant
     assert [len(runs) for runs in result["seed_curves"].values()] == [1, 1]  # one data order each in the smoke
     assert result["baseline_seed_curves"]["DDP"] == [curves["DDP"]] and "DDP mean" in section  # mean against mean
+    # what a peer trained per epoch or round, beside the run's nominal share of it
+    assert {name: figures["nominal"] for name, figures in result["samples_per_epoch"].items()} == {
+        "swarm": 64, "diloco": 256, "diloco-blocking": 256, "diloco-grouped": 256}
+    assert "Samples a peer trained per swarm epoch" in section
 
 
 def test_links_suite_smoke():
