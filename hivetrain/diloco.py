@@ -24,6 +24,7 @@ from hivemind import DHT
 from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
 
 from hivetrain.outer_state import GivenUp, OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.overlapped_round import RoundInFlight
@@ -76,6 +77,7 @@ class DiLoCoRounds:
                                             private_key=private_key, start=True)
         self.outer.give_up = self._give_up
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
+        self.round_began = get_dht_time()  # when those samples began (DHT time): see round_due
         self.samples_discarded = 0  # trained in inner steps no round took: before a reload, or a non-finite restart
         self.inner_steps_since_round = 0  # this peer's steps (all its devices together count as one per step)
         self.last_round_steps: Optional[int] = None  # the inner steps behind this peer's last round
@@ -208,7 +210,15 @@ class DiLoCoRounds:
         joined start a round at its first step, before the others were due."""
         if self.next_round_at is not None:
             return self.samples > 0 and time.time() >= self.next_round_at
-        return self.tracker.global_progress.samples_accumulated >= self.tracker.target_batch_size
+        target = self.tracker.target_batch_size
+        if self.tracker.global_progress.samples_accumulated >= target:
+            return True
+        # A peer reads the others' records every half second at best, and a round of fast peers can be as short (the
+        # demo's: about 0.3 s of compute): counted from the records as read, each of two peers trained the round's
+        # whole target by itself, 2H inner steps and more. Carried forward at their rates, they count what the
+        # others have trained since.
+        others = self.tracker.others_samples(self.outer.round, self.round_began, get_dht_time())
+        return self.samples > 0 and self.samples + others >= target
 
     def _next_round_due(self) -> bool:
         """While a round is in flight: whether this peer's next one is due already (it must wait for the last)."""
@@ -219,6 +229,7 @@ class DiLoCoRounds:
     def _begin_inner_steps(self) -> None:
         """A round started, landed or was replaced by a state: count this peer's inner steps toward the next one."""
         self.samples = self.inner_steps_since_round = 0
+        self.round_began = get_dht_time()  # DHT time, as the progress records state theirs
         self.finite_steps.clear()  # about parameters that are now the outer ones, or already read for a round
         if self.round_seconds:
             self.next_round_at = next_round_time(time.time(), self.round_seconds)

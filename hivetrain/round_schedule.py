@@ -4,8 +4,10 @@ and the clock's grid of rounds paced in seconds that peers and the coordinator s
 When a round starts: once the samples the swarm trained since the last round reach H x (the run's per-step batch) x
 (peers in the progress records), i.e. once the peers have taken H local steps each on average. Nobody waits for a
 slow peer's H-th step: a fast peer takes more inner steps, a slow one fewer, and each pseudo-gradient counts in
-proportion to its samples. A peer starts looking for the round's group a matchmaking time before the swarm's samples
-are estimated to reach the target (hivemind's tracker: the peers' records and rates), as hivemind's Optimizer
+proportion to its samples. A peer counts its own samples at once and the others' by their records, each carried
+forward at the rate it states (RoundTracker.others_samples): a round of fast peers can be shorter than the half second
+a record takes to reach the others. A peer starts looking for the round's group a matchmaking time before the swarm's
+samples are estimated to reach the target (hivemind's tracker: the peers' records and rates), as hivemind's Optimizer
 schedules its gradient rounds, and a blocking round's all-reduce starts with the group already formed.
 
 Rounds paced in seconds (`round_seconds` S, the coordinator's --round-seconds): a round falls due at every S seconds of
@@ -22,9 +24,15 @@ import math
 from typing import Optional
 
 from hivetrain.config import SwarmConfig
-from hivetrain.hivemind_internals import HookedProgressTracker
+from hivetrain.hivemind_internals import HookedProgressTracker, progress_subkey
 from hivetrain.record_guard import INT64_MAX
 from hivetrain.telemetry import bounded_sum
+
+
+# Seconds a progress record vouches for its peer's training at the rate it states: a training peer's record is stored
+# every 0.5 s at most (hivemind_internals.PROGRESS_STORE_EVERY) and read every 0.5 s at best, so a live one is rarely
+# older; one older than this is a peer that stopped (RoundTracker.others_samples).
+RECORD_CARRY = 2.0
 
 
 def next_round_time(after: float, round_seconds: float) -> float:
@@ -64,11 +72,13 @@ class RoundTracker(HookedProgressTracker):
 
     def __init__(self, *args, samples_per_peer: int, round_seconds: Optional[float] = None, **kwargs):
         self.samples_per_peer, self.round_seconds = samples_per_peer, round_seconds
+        self.others: list[tuple[int, float, float, float]] = []  # (round, samples, samples/s, time): others_samples
         super().__init__(*args, target_batch_size=samples_per_peer, **kwargs)
 
     def before_parsing_progress(self, metadata):
         values = [entry.value for entry in metadata.values() if getattr(entry, "value", None) is not None] \
             if isinstance(metadata, dict) else []
+        self.others = _others_progress(metadata, progress_subkey(self))
         self.target_batch_size = self.samples_per_peer * max(1, len(values))
         if self.round_seconds is not None and (rates := _training_rates(values)):
             # Rounds paced in seconds fall due by the clock (DiLoCoRounds.round_due); the target only says what the
@@ -76,11 +86,43 @@ class RoundTracker(HookedProgressTracker):
             self.target_batch_size = max(1, paced_round_samples(bounded_sum(rates), self.round_seconds))
         return super().before_parsing_progress(metadata)
 
+    def others_samples(self, round_: int, round_began: float, now: float) -> float:
+        """The samples the other peers have trained toward `round_` by `now` (DHT time), as hivemind's estimate of the
+        next epoch carries each record forward at the rate it states, for RECORD_CARRY seconds after the time it
+        states at most (a peer that stopped, in a round or waiting for one, reports no more). A record of the round
+        before (the peer's first record of this one not read yet) counts from `round_began` on, when this peer's
+        own steps toward the round began. No record counts for more than the round's whole target."""
+        total = 0.0
+        for record_round, samples, rate, at in self.others:
+            until = min(now, at + RECORD_CARRY)
+            if record_round == round_:
+                estimate = samples + rate * max(0.0, until - at)
+            elif record_round == round_ - 1:
+                estimate = rate * max(0.0, until - max(at, round_began))
+            else:
+                continue
+            total += min(estimate, self.target_batch_size)
+        return total
+
     def update_epoch(self, new_epoch: Optional[int] = None) -> int:
         """A new round: read the others' records for it soon (fetch_soon), not at a read planned before it began."""
         epoch = super().update_epoch(new_epoch)
         self.fetch_soon()
         return epoch
+
+
+def _others_progress(metadata, own_subkey: bytes) -> list[tuple[int, float, float, float]]:
+    """(round, samples, samples/s, time) of every other peer's progress record whose figures are usable numbers."""
+    found = []
+    for subkey, entry in (metadata.items() if isinstance(metadata, dict) else ()):
+        value = getattr(entry, "value", None)
+        if subkey == own_subkey or not isinstance(value, dict):
+            continue
+        figures = [value.get(name) for name in ("epoch", "samples_accumulated", "samples_per_second", "time")]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+               for x in figures):
+            found.append((int(figures[0]), float(figures[1]), float(figures[2]), float(figures[3])))
+    return found
 
 
 def _training_rates(values: list) -> list[float]:

@@ -325,7 +325,9 @@ def test_a_peer_serves_its_state_while_its_round_waits_for_a_group(dhts):
             peer.finish_round(timeout=30)
         assert peer.round == 2
         # a second peer shows up in the progress records but never joins a round: the first one's round waits
-        silent = _rounds(second, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
+        # (it and the joiner count rounds of 100 steps: the joiner's one step below never makes a round due, however
+        # far the records' rates carry the others' samples forward)
+        silent = _rounds(second, create_model(CONFIG.model, seed=CONFIG.seed), 100, 8, 0.7, 0.9)
         others.append(silent)
         silent.tracker.report_local_progress(2, 0)
         deadline = time.monotonic() + 30
@@ -340,7 +342,7 @@ def test_a_peer_serves_its_state_while_its_round_waits_for_a_group(dhts):
         while not peer.outer.round_lock.locked():  # the round has begun: its group is looked for
             assert time.monotonic() < deadline, "the round never started"
             time.sleep(0.05)
-        joiner = _rounds(third, create_model(CONFIG.model, seed=CONFIG.seed), 1, 8, 0.7, 0.9)
+        joiner = _rounds(third, create_model(CONFIG.model, seed=CONFIG.seed), 100, 8, 0.7, 0.9)
         others.append(joiner)
         assert joiner.load_state_from_peers()
         assert not peer.flight.finished.is_set()  # served while the round still waited for its group
@@ -597,6 +599,37 @@ def test_rounds_counted_in_samples_look_for_their_group_ahead(dhts):
         for peer in rounds[1:]:
             torch.testing.assert_close(_flat(peer.outer.outer_parameters), _flat(rounds[0].outer.outer_parameters),
                                        rtol=0, atol=1e-5)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+
+
+def test_fast_peers_take_about_h_inner_steps_each_per_round_counted_in_samples(dhts):
+    """Two peers whose H inner steps take 0.2 s, less than the half second at which a peer reads the others' progress
+    records at best. A round falls due once this peer's samples and the others' records, carried forward at the
+    rates they state (RoundTracker.others_samples), reach the round's target: about H steps each. Counted from the
+    records as read, each peer trained the round's whole target by itself, 2H steps (the demo's diloco peers:
+    2-2.4H, and the convergence suite's rounds held twice their samples)."""
+    inner_steps, last_round, step_time = 10, 6, 0.02
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    rounds = [DiLoCoRounds(dht, "test_fast_rounds", list(model.parameters()), inner_steps=inner_steps, batch_size=1,
+                           outer_lr=0.7, outer_momentum=0.9, matchmaking_time=1.0, averaging_timeout=10.0,
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey())
+              for dht, model in zip(dhts(2), models)]
+    steps = [0, 0]
+
+    def count(index: int, _due: Optional[float]) -> None:
+        steps[index] += 1
+
+    try:
+        _train_one_sample_each_until_all_seen(rounds)
+        _train_together(rounds, models, [step_time] * 2, last_round, seconds=90, after_step=count)
+        assert [peer.round for peer in rounds] == [last_round] * 2
+        assert all(peer.rounds_averaged >= last_round - 1 for peer in rounds), [
+            (p.rounds_averaged, p.rounds_alone, p.rounds_failed, p.rounds_missed) for p in rounds]
+        # H each on average, give or take a read's lag: well under the 2H of the records as read
+        assert all(count_ / last_round <= 1.5 * inner_steps for count_ in steps), (steps, last_round)
     finally:
         for peer in rounds:
             peer.shutdown()
