@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from benchmarks.harness import run_baseline, run_swarm, samples_trained_by, validated_epoch
+from benchmarks.harness import evaluate_weights, run_baseline, run_swarm, samples_trained_by, validated_epoch
 from benchmarks.report import measured_by, verdict
 
 
@@ -56,21 +56,28 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     # round whose nominal r x H x batch x 2 samples reach a pass over the data, with the others' learning rate at the
     # same samples seen (the curves count what the peers really trained). Overlapped rounds (the
     # default) and blocking ones, each with CONVERGENCE_SEEDS data orders (the peers' --seed): their curves are the
-    # first seed's, and the verdict takes the mean over the seeds of the last validation by DDP's final samples.
+    # first seed's. The peers stop at that round and save the swarm's outer parameters (--save-weights), and the
+    # verdict validates those: the coordinator cannot validate every round of these (a round lasts less than a
+    # validation), and its last validation before DDP's final samples lay up to 2,000 samples earlier.
     round_samples = CONVERGENCE_INNER_STEPS * batch * 2
     rounds = single["train_samples"] // round_samples
     seeds: dict[str, list[list]] = {}
+    finals: dict[str, list[list]] = {}
     for name, overlap in (("diloco", "--overlap-rounds"), ("diloco-blocking", "--no-overlap-rounds")):
         for seed in range(1 if smoke else CONVERGENCE_SEEDS):
             label = f"conv-{name}-{seed}"
             _, peers = run_swarm(
                 work, label, 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
                                  overlap, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
-                                 *diloco_schedule_flags(config, peers=2)], ["--seed", f"{10 * seed}{{index}}"],
-                timeout=900, until=lambda _peers: validated_epoch(work / label / "metrics.sqlite") >= rounds)
+                                 *diloco_schedule_flags(config, peers=2)],
+                ["--seed", f"{10 * seed}{{index}}", "--stop-at-epoch", str(rounds), "--save-weights",
+                 str(work / f"{label}-{{index}}.safetensors")], timeout=900)
             with MetricsReader(work / label / "metrics.sqlite") as store:
                 seeds.setdefault(name, []).append([(samples_trained_by(peers, row.epoch), row.top1)
                                                    for row in store.validations()])
+            finals.setdefault(name, []).append(
+                [samples_trained_by(peers, rounds), evaluate_weights([work / f"{label}-{index}.safetensors"
+                                                                      for index in range(2)])])
             if seed == 0:
                 per_epoch[name] = dict(nominal=CONVERGENCE_INNER_STEPS * batch, trained=_trained_per_epoch(peers))
         curves[name] = seeds[name][0]
@@ -93,6 +100,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
                 swarm_samples="trained",  # the peers' own counts (records before: nominal, epochs x samples per epoch)
                 seed_curves=seeds, baseline_seed_curves={"DDP": ddp_curves}, samples_per_epoch=per_epoch,
+                seed_finals=dict(round=rounds, runs=finals),
                 grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
                 wall_time_s=dict(single=single["wall_time_s"], DDP=ddp_runs[0]["wall_time_s"]))
 
@@ -173,11 +181,24 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
             target += (f", as the mean of {len(result['seed_curves']['diloco'])} data orders (the peers' seeds"
                        + (f"; DDP's mean too, over `--seed` {', '.join(map(str, range(len(ddp_runs))))}, the first"
                           " of them in the table" if ddp_runs else "") + ")."
-                       " Overlapped rounds become the default once they meet it.")
+                       + (f" A diloco run's top-1 is that of its peers' own weights (the swarm's outer parameters, saved"
+                          f" as they stopped at round {result['seed_finals']['round']}, the last whose nominal samples"
+                          " stay within DDP's), on the same validation split, the mean of its two peers."
+                          if "seed_finals" in result else "")
+                       + " Overlapped rounds become the default once they meet it.")
             ddp_reached = [at(curve, final_samples) for curve in ddp_runs] if ddp_runs else [f"{final_ddp:.3f}"]
             ddp_mean = sum(map(float, ddp_reached)) / len(ddp_reached)
             ddp_what = f"DDP mean {ddp_mean:.3f} ({', '.join(ddp_reached)})" if ddp_runs else f"DDP {final_ddp:.3f}"
+            finals = result.get("seed_finals")
             for name, runs in result["seed_curves"].items():
+                if finals:  # the peers' own final weights, validated after they stopped at the round
+                    top1s = [sum(top1) / len(top1) for _, top1 in finals["runs"][name]]
+                    mean, samples = sum(top1s) / len(top1s), [count for count, _ in finals["runs"][name]]
+                    what = (f"{ddp_what} at {final_samples} samples, {name} mean {mean:.3f}"
+                            f" ({', '.join(f'{top1:.3f}' for top1 in top1s)}): its peers' weights at round"
+                            f" {finals['round']}, after {', '.join(map(str, samples))} samples")
+                    target += f" {name}: " + verdict(ddp_mean - mean <= 0.01, what)
+                    continue
                 reached_runs = [at(curve, final_samples) for curve in runs]
                 if not all(reached_runs):
                     target += f" {name}: **Not met** (a run was not validated by then)."

@@ -70,6 +70,12 @@ def test_convergence_suite_smoke():
     assert {name: figures["nominal"] for name, figures in result["samples_per_epoch"].items()} == {
         "swarm": 64, "diloco": 256, "diloco-blocking": 256, "diloco-grouped": 256}
     assert "Samples a peer trained per swarm epoch" in section
+    # diloco's verdict validates its peers' own weights, saved as they stopped at the round
+    finals = result["seed_finals"]
+    assert set(finals["runs"]) == {"diloco", "diloco-blocking"} and finals["round"] >= 1
+    for [[samples, top1]] in finals["runs"].values():
+        assert samples > 0 and len(top1) == 2 and min(top1) > 0.2, finals
+    assert "its peers' weights at round" in section
 
 
 def test_links_suite_smoke():
