@@ -108,8 +108,8 @@ class SwarmConfig:
     # diloco: a round's matchmaking and all-reduce run in the background while each peer takes the next round's inner
     # steps, and its result lands as a correction (hivetrain.overlapped_round.RoundInFlight); a peer waits for a round
     # only when it has taken H more inner steps before the round finished. False: each round stops the inner steps until done.
-    # Off by default until the convergence suite shows overlapped rounds within 1 point of DDP (logbook/benchmarks.md:
-    # at H = 8 on the demo preset they were 0.7 points behind blocking rounds, and both behind DDP).
+    # Off by default until the convergence suite shows overlapped rounds within 1 point of DDP (logbook/benchmarks.md,
+    # convergence: at H = 8 on the demo preset, overlapped and blocking rounds alike trail DDP).
     overlap_rounds: bool = False
     # diloco: rounds paced in seconds instead of steps. A round falls due every round_seconds seconds of the wall
     # clock, on one grid all peers share (hivetrain.round_schedule.next_round_time), and each peer takes as many
