@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+
 from hivetrain.config import SwarmConfig
 from hivetrain.hivemind_internals import HookedProgressTracker, progress_subkey
-from hivetrain.record_guard import INT64_MAX
+from hivetrain.record_guard import INT64_MAX, parse_entry
 from hivetrain.telemetry import bounded_sum
 
 
@@ -112,16 +114,17 @@ class RoundTracker(HookedProgressTracker):
 
 
 def _others_progress(metadata, own_subkey: bytes) -> list[tuple[int, float, float, float]]:
-    """(round, samples, samples/s, time) of every other peer's progress record whose figures are usable numbers."""
+    """(round, samples, samples/s, time) of every other peer's progress record that parses as the guard parses one
+    (record_guard.parse_entry: hivemind's schema, whose counts and rate are not negative, and finite numbers) and
+    states a time after the Unix epoch."""
     found = []
     for subkey, entry in (metadata.items() if isinstance(metadata, dict) else ()):
         value = getattr(entry, "value", None)
-        if subkey == own_subkey or not isinstance(value, dict):
+        if subkey == own_subkey or value is None:
             continue
-        figures = [value.get(name) for name in ("epoch", "samples_accumulated", "samples_per_second", "time")]
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-               for x in figures):
-            found.append((int(figures[0]), float(figures[1]), float(figures[2]), float(figures[3])))
+        record, _ = parse_entry(LocalTrainingProgress, value)
+        if record is not None and record.time >= 0:
+            found.append((record.epoch, float(record.samples_accumulated), record.samples_per_second, record.time))
     return found
 
 
