@@ -13,6 +13,12 @@ from benchmarks.report import measured_by, verdict
 CONVERGENCE_INNER_STEPS = 8  # diloco's H on the demo preset: a round per 512 samples of 2 peers
 
 CONVERGENCE_SEEDS = 3  # data orders per diloco variant: one digit of the 360 held out is 0.28 points
+# The 2-peer diloco runs, each over CONVERGENCE_SEEDS data orders, with the coordinator flags that set them apart:
+# overlapped and blocking rounds with the default outer step (plain averaging), and overlapped rounds with the DiLoCo
+# paper's outer step (lr 0.7, Nesterov momentum 0.9), the default's reason (hivetrain.config.SwarmConfig.outer_lr).
+# The smoke runs the first two.
+CONVERGENCE_DILOCO_VARIANTS = (("diloco", ("--overlap-rounds",)), ("diloco-blocking", ("--no-overlap-rounds",)),
+                               ("diloco-nesterov", ("--overlap-rounds", "--outer-lr", "0.7", "--outer-momentum", "0.9")))
 # The grouped row: diloco averaging in groups of at most CONVERGENCE_GROUP_SIZE (--target-group-size) among
 # CONVERGENCE_GROUPED_PEERS peers, so that each round has several groups and the parameters mix across rounds.
 CONVERGENCE_GROUPED_PEERS, CONVERGENCE_GROUP_SIZE = 4, 2
@@ -63,12 +69,12 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     rounds = single["train_samples"] // round_samples
     seeds: dict[str, list[list]] = {}
     finals: dict[str, list[list]] = {}
-    for name, overlap in (("diloco", "--overlap-rounds"), ("diloco-blocking", "--no-overlap-rounds")):
+    for name, variant in CONVERGENCE_DILOCO_VARIANTS[:2] if smoke else CONVERGENCE_DILOCO_VARIANTS:
         for seed in range(1 if smoke else CONVERGENCE_SEEDS):
             label = f"conv-{name}-{seed}"
             _, peers = run_swarm(
                 work, label, 2, ["--validate-every", "1", "--threads", "1", "--refresh", "2", "--mode", "diloco",
-                                 overlap, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
+                                 *variant, "--inner-steps", str(CONVERGENCE_INNER_STEPS),
                                  *diloco_schedule_flags(config, peers=2)],
                 ["--seed", f"{10 * seed}{{index}}", "--stop-at-epoch", str(rounds), "--save-weights",
                  str(work / f"{label}-{{index}}.safetensors")], timeout=900)
@@ -130,7 +136,7 @@ def _validation_curve(record: dict) -> list:
     return [(point["step"] * record["global_batch_size"], point["top1"]) for point in record["validation"]]
 
 # the curves validated by a coordinator, in table order
-CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-grouped")
+CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-nesterov", "diloco-grouped")
 
 
 def convergence_section(result: dict, env: dict, out: Path) -> str:
@@ -174,7 +180,10 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
                      f"round r is plotted at r x {result['inner_steps']} x 32 x 2 samples.")
                   + (" Its rounds overlap the next inner steps (`--overlap-rounds`), as do diloco-grouped's;"
                      " diloco-blocking stops them for each round (`--no-overlap-rounds`)."
-                     if "diloco-blocking" in curves else ""))
+                     if "diloco-blocking" in curves else "")
+                  + (" Their outer step is the default, plain averaging (`--outer-lr 1 --outer-momentum 0`);"
+                     " diloco-nesterov is diloco with the DiLoCo paper's (`--outer-lr 0.7 --outer-momentum 0.9`)."
+                     if "diloco-nesterov" in curves else ""))
         target = "\n\nTarget: diloco's top-1 within 1 point of DDP's at equal samples seen"
         if "seed_curves" in result:  # the mean over seeds, for overlapped and blocking rounds
             ddp_runs = result.get("baseline_seed_curves", {}).get("DDP")

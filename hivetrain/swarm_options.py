@@ -45,15 +45,15 @@ class HivemindOptions:
     load_state_timeout: float = 60.0
     verbose: bool = False  # hivemind's own progress messages
     # "sync": gradients averaged every swarm step (hivemind.Optimizer). "diloco": each peer takes about inner_steps
-    # steps of its own optimizer, then the peers average the pseudo-gradient and take an outer SGD step with Nesterov
-    # momentum (hivetrain.diloco); the gradient fields above (compression, delays, offload) are then unused but
-    # grad_compression, which applies to the pseudo-gradient.
+    # steps of its own optimizer, then the peers average the pseudo-gradient and take an outer SGD step (outer_lr,
+    # Nesterov momentum outer_momentum: hivetrain.diloco); the gradient fields above (compression, delays, offload)
+    # are then unused but grad_compression, which applies to the pseudo-gradient.
     mode: str = "sync"
     inner_steps: int = 50
     overlap_rounds: bool = False  # diloco: each round in the background while the next inner steps run
     round_seconds: Optional[float] = None  # diloco: a round every S seconds of the clock, not every inner_steps steps
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    outer_lr: float = SwarmConfig.outer_lr
+    outer_momentum: float = SwarmConfig.outer_momentum
     # How each all-reduce part combines the peers' copies (hivetrain.robust): "none" (hivemind's weighted mean),
     # "centered-clip" or "trimmed-mean", in both modes.
     robust_aggregation: str = "none"
