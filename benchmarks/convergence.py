@@ -194,7 +194,7 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
                           f" as they stopped at round {result['seed_finals']['round']}, the last whose nominal samples"
                           " stay within DDP's), on the same validation split, the mean of its two peers."
                           if "seed_finals" in result else "")
-                       + " Overlapped rounds become the default once they meet it.")
+                       + " Overlapped rounds are the default only as long as they meet it.")
             ddp_reached = [at(curve, final_samples) for curve in ddp_runs] if ddp_runs else [f"{final_ddp:.3f}"]
             ddp_mean = sum(map(float, ddp_reached)) / len(ddp_reached)
             ddp_what = f"DDP mean {ddp_mean:.3f} ({', '.join(ddp_reached)})" if ddp_runs else f"DDP {final_ddp:.3f}"

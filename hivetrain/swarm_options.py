@@ -50,7 +50,7 @@ class HivemindOptions:
     # are then unused but grad_compression, which applies to the pseudo-gradient.
     mode: str = "sync"
     inner_steps: int = 50
-    overlap_rounds: bool = False  # diloco: each round in the background while the next inner steps run
+    overlap_rounds: bool = SwarmConfig.overlap_rounds  # diloco: each round in the background during the next inner steps
     round_seconds: Optional[float] = None  # diloco: a round every S seconds of the clock, not every inner_steps steps
     outer_lr: float = SwarmConfig.outer_lr
     outer_momentum: float = SwarmConfig.outer_momentum

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--overlap-rounds", action=argparse.BooleanOptionalAction, default=None,
                        help="diloco: run each outer round in the background while the peers take the next round's"
                             " inner steps; --no-overlap-rounds stops training for every round (default: the preset's,"
-                            " blocking)")
+                            " overlapped)")
     swarm.add_argument("--round-seconds", type=float, default=None, metavar="S",
                        help="diloco: a round every S seconds of the clock (one grid for all peers) instead of every"
                             " --inner-steps steps; each peer takes as many inner steps as its device fits in S s and"
