@@ -89,7 +89,8 @@ class DiLoCoRounds:
         self.swarm_seconds = self.wait_seconds = self.communication_seconds = 0.0
         self.last_overlapped_steps: Optional[int] = None  # inner steps taken while the last overlapped round ran
         self.rounds_averaged = self.rounds_alone = self.rounds_failed = self.rounds_missed = 0
-        self.landed_digest: Optional[tuple[int, str]] = None  # (round, digest) of the last overlapped round's outcome
+        # (round, digest, probe) of the outer parameters the last overlapped round ended with (hivetrain.digests)
+        self.landed: Optional[tuple[int, str, list[float]]] = None
         self.finite_steps = FiniteSteps()  # the inner steps' verdicts, read without stalling the GPU
         self.restarts = 0  # times a non-finite step sent this peer back to the outer parameters
 
@@ -357,7 +358,7 @@ class DiLoCoRounds:
         flight.apply_corrections(self.parameters)
         self.communication_seconds += flight.seconds
         self.last_overlapped_steps = flight.inner_steps
-        self.landed_digest = (flight.round + 1, flight.digest) if flight.digest is not None else None
+        self.landed = (flight.round + 1, flight.digest, flight.probe) if flight.digest is not None else None
         with self.tracker.pause_updates():
             self.tracker.update_epoch(self._progress_round())
         self.tracker.report_local_progress(self._progress_round(), self.samples)

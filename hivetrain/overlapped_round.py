@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from hivemind.averaging.control import StepControl
 
-from hivetrain.digests import tensors_digest
+from hivetrain.digests import tensors_digest, tensors_probe
 from hivetrain.outer_state import OuterState
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,9 @@ class RoundInFlight:
         self.result: Optional[bool] = None  # as OuterState.outer_step's
         self.seconds = 0.0  # the round's wall time in the background, set when it has finished
         self.inner_steps = 0  # the peer's inner steps while the round was in flight (DiLoCoRounds counts them)
-        self.digest: Optional[str] = None  # of the outer parameters it ended with, hashed here, off the training thread
+        # of the outer parameters it ended with, hashed and probed here, off the training thread
+        self.digest: Optional[str] = None
+        self.probe: Optional[list[float]] = None
         self.finished = threading.Event()
         self._corrections: queue.SimpleQueue = queue.SimpleQueue()
         # On the parameters' device, a copy taken in a moment: the thread moves it to the host while training goes on
@@ -66,6 +68,7 @@ class RoundInFlight:
                 if self.result:  # averaged with others (alone or failed, the outer parameters are this peer's own step)
                     self._corrections.put([p - o for p, o in zip(outer.outer_parameters, own)])
                 self.digest = tensors_digest(outer.outer_parameters)
+                self.probe = tensors_probe(outer.outer_parameters)
         except Exception as e:  # the averager shut down under the round (the peer is leaving)
             logger.debug(f"Outer round {self.round} broke off: {type(e).__name__}: {e}")
             self.result = None

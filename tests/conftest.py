@@ -66,7 +66,7 @@ def live_entries(dht, key: str) -> int:
 
 
 def same_parameters(probe: list[float], other: list[float]) -> bool:
-    """Two samples of the parameters (hivetrain.roles.peers.progress.parameter_probe) equal to float rounding: peers in
+    """Two samples of the parameters (hivetrain.digests.tensors_probe) equal to float rounding: peers in
     step agree to the last bits or so, not bit for bit (hivetrain.digests), while the epochs a peer trains
     alone move each parameter by a learning rate's worth or more."""
     return len(probe) == len(other) and all(abs(x - y) <= 1e-6 + 1e-4 * abs(x) for x, y in zip(probe, other))

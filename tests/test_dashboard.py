@@ -143,7 +143,7 @@ def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tm
     at = run_app(monkeypatch, store, tmp_path)
 
     assert metric(at, "Outer round") == "4"
-    assert ("diloco: 20 inner steps per outer round, outer lr 0.7, momentum 0.9, averaging in groups of at most 4"
+    assert ("diloco: 20 inner steps per outer round, outer lr 1, momentum 0, averaging in groups of at most 4"
             in at.caption[0].value)
     table = at.dataframe[0].value
     assert list(table.columns) == app.PEER_COLUMNS + app.DILOCO_COLUMNS

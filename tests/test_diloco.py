@@ -14,7 +14,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivetrain.config import get_preset
 from hivetrain.diloco import DiLoCoRounds
 from hivetrain.round_schedule import RoundTracker, next_round_time
-from hivetrain.digests import tensors_digest
+from hivetrain.digests import tensors_digest, tensors_probe
 from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S
 from hivetrain.hivemind_internals.records import announce_and_count_peers
 from hivetrain.model import create_model
@@ -452,8 +452,9 @@ def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_me
             for model, peer, steps in zip(models, rounds, meanwhile):
                 torch.testing.assert_close(_flat(peer.outer.outer_parameters), outer, rtol=0, atol=1e-5)
                 torch.testing.assert_close(_flat(model.parameters()), outer + steps, rtol=0, atol=1e-5)
-                # the round's thread hashed the outer parameters it landed, for the peer's epoch line
-                assert peer.landed_digest == (round_ + 1, tensors_digest(peer.outer.outer_parameters))
+                # the round's thread hashed and probed the outer parameters it landed, for the peer's epoch line
+                assert peer.landed == (round_ + 1, tensors_digest(peer.outer.outer_parameters),
+                                       tensors_probe(peer.outer.outer_parameters))
             assert (outer - began[0]).abs().max() > 1e-3  # the rounds really moved the weights
     finally:
         for peer in rounds:

@@ -59,7 +59,7 @@ def _epochs(process: Process, since: float = 0.0) -> list[tuple[float, int, int]
 
 def _probes(process: Process, since: float, until: float = math.inf) -> dict[int, list[float]]:
     """{epoch: the sample of its parameters} of each epoch event written after `since` and by `until`
-    (hivetrain.roles.peers.progress.parameter_probe)."""
+    (hivetrain.digests.tensors_probe)."""
     return {event["epoch"]: event["probe"] for event in process.events("epoch") if since < event["time"] <= until}
 
 

@@ -85,10 +85,11 @@ def test_a_peer_on_two_devices_and_a_single_peer_end_with_the_same_outer_paramet
     assert (weights["wide"] - initial).abs().max().item() > 0.01  # they trained
     # All-reduce hands each peer its own value plus the delta to the average: equal to float rounding.
     torch.testing.assert_close(weights["wide"], weights["single"], rtol=0, atol=1e-5)
-    # Within the peer, every rank continues from rank 0's outer parameters: the same bits.
+    # Within the peer, every rank continues from rank 0's outer parameters: the same bits. (Its rounds overlap, the
+    # default: the ranks end with the swarm's outer parameters plus the inner steps taken while the last round was in
+    # flight, and the peer saves the outer parameters alone, compared with the single peer's above.)
     ranks = [torch.load(tmp / f"wide.rank{rank}.pt") for rank in (0, 1)]
     assert all(torch.equal(mine, theirs) for mine, theirs in zip(*ranks))
-    torch.testing.assert_close(torch.cat([p.flatten() for p in ranks[0]]), weights["wide"], rtol=0, atol=0)
 
 
 def test_a_non_finite_step_on_one_rank_is_dropped_by_all(mixed_swarm):

@@ -332,11 +332,12 @@ def test_what_a_swarm_cannot_train_is_refused_at_setup(what, mode):
 @pytest.mark.parametrize("mode", ["sync", "diloco"])
 def test_gradient_accumulation_counts_every_batch_toward_the_swarm(mode):
     """Two batches of 16 per optimizer step: 4 steps are 128 samples, two swarm epochs of 64 (sync) or two rounds of
-    2 inner steps (diloco) for a peer alone; counting one batch per step would make one."""
+    2 inner steps (diloco) for a peer alone; counting one batch per step would make one. Blocking rounds: an
+    overlapped round due at the last step is still in flight when training ends, and lands as the peer leaves."""
     torch.set_num_threads(1)
     strategy = HivemindStrategy(
         HivemindOptions(run_id=f"test_accumulate_{mode}", target_batch_size=64, batch_size=16, matchmaking_time=0.5,
-                        mode=mode, inner_steps=2),
+                        mode=mode, inner_steps=2, overlap_rounds=False),
         network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
     )
     seen = _fit(_Regression(), strategy, steps=4, accumulate_grad_batches=2)

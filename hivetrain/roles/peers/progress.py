@@ -14,7 +14,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 
-from hivetrain.digests import tensors_digest
+from hivetrain.digests import tensors_digest, tensors_probe
 from hivetrain.events import EventLog
 from hivetrain.hand_over import HAND_OVER_TIMEOUT, HAND_OVER_TIMEOUT_INTERRUPTED
 from hivetrain.swarm import raise_if_leaving
@@ -157,22 +157,24 @@ class SwarmProgress(pl.Callback):
                           # this peer's inner steps behind its last round (paced in seconds: what its device fit), and
                           # of its rounds whose group was looked for ahead, those where it stood ready when due
                           round_steps=rounds.last_round_steps, rounds_group_ready=rounds.rounds_group_ready)
+        digest, probe = self._epoch_parameters(trainer, epoch)
         self.events("epoch", epoch=epoch, samples=self.samples, loss=finite_or_none(loss),
-                    swarm_seconds=trainer.strategy.swarm_seconds, probe=parameter_probe(pl_module), **diloco)
+                    swarm_seconds=trainer.strategy.swarm_seconds, probe=probe, **diloco)
         line = (f"swarm epoch {epoch} | {trainer.strategy.num_peers} peer(s) | {throughput:.0f} samples/s"
-                f" | this peer: {self.samples} samples, loss {loss:.3f} | params {self._epoch_digest(trainer, epoch)}")
+                f" | this peer: {self.samples} samples, loss {loss:.3f} | params {digest}")
         _say(trainer, line)
 
     @staticmethod
-    def _epoch_digest(trainer: pl.Trainer, epoch: int) -> str:
-        """The parameters' digest at a new swarm epoch: an overlapped diloco round's thread hashed the outer
-        parameters it landed (the training thread need not stop for it; the live parameters then differ by the inner
-        steps taken meanwhile), else this peer's live parameters, which after a blocking round are those outer ones."""
+    def _epoch_parameters(trainer: pl.Trainer, epoch: int) -> tuple[str, list[float]]:
+        """The parameters' digest and probe at a new swarm epoch: an overlapped diloco round's thread took both of the
+        outer parameters it landed (the training thread need not stop for it; the live parameters then differ by the
+        inner steps taken meanwhile), else this peer's live parameters, which after a blocking round are those outer
+        ones."""
         rounds = trainer.strategy.rounds
-        landed = rounds.landed_digest if rounds is not None else None
+        landed = rounds.landed if rounds is not None else None
         if landed is not None and landed[0] == epoch:
-            return landed[1]
-        return parameter_digest(trainer.lightning_module)
+            return landed[1], landed[2]
+        return parameter_digest(trainer.lightning_module), parameter_probe(trainer.lightning_module)
 
     def _print_rejoin_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, epoch: int) -> None:
         dropped = self.epoch - epoch
@@ -263,19 +265,6 @@ def parameter_digest(module: torch.nn.Module) -> str:
     return tensors_digest(module.parameters())
 
 
-PROBE_SIZE = 16
-
-
-def parameter_probe(module: torch.nn.Module, size: int = PROBE_SIZE) -> list[float]:
-    """`size` of the parameters' values, spread evenly over all of them in order: how close two peers' parameters are,
-    to float rounding (the digest tells bit-for-bit copies only)."""
-    params = list(module.parameters())
-    total = sum(param.numel() for param in params)
-    wanted, probe, start = [index * total // size for index in range(size)], [], 0
-    for param in params:
-        inside = [index - start for index in wanted if start <= index < start + param.numel()]
-        if inside:
-            flat = param.detach().reshape(-1)
-            probe += flat[torch.tensor(inside, device=flat.device)].float().cpu().tolist()
-        start += param.numel()
-    return probe
+def parameter_probe(module: torch.nn.Module) -> list[float]:
+    """A few of the module's parameter values, spread over all of them (hivetrain.digests.tensors_probe)."""
+    return tensors_probe(module.parameters())
