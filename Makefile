@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
-# The committed logbook changes only here: the demo's page and swarm record, and the reliability page of the fault
+# The committed logbook changes only here: the demo's page and swarm result, and the reliability page of the fault
 # tests and of the takeover attacks' tests (make bench SUITE=... writes the benchmark sections).
 TAKEOVER_TESTS := tests/test_takeover.py tests/test_hostile_records.py tests/test_access.py tests/test_reachability.py \
 	tests/test_revocation.py

@@ -22,7 +22,7 @@ from hivetrain.data import ImageDataModule
 from hivetrain.evaluate import evaluate
 from hivetrain.model import autocast_dtype, create_model, save_weights
 from hivetrain.optimizer import make_optimizer
-from hivetrain.records import ValidationPoint
+from hivetrain.run_result import ValidationPoint
 
 
 def train_data_parallel(config: RunConfig, datamodule: ImageDataModule, devices: int, accumulate: int, precision: str,

@@ -29,7 +29,7 @@ from hivetrain.data import ImageDataModule
 from hivetrain.evaluate import score
 from hivetrain.model import autocast_dtype, create_model, save_weights
 from hivetrain.optimizer import make_optimizer
-from hivetrain.records import PipelineLayout, Sharding, ValidationPoint
+from hivetrain.run_result import PipelineLayout, Sharding, ValidationPoint
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 

@@ -1,5 +1,5 @@
-"""A Lightning callback that measures a run for its record: time, samples, validation per epoch, the best weights,
-peak memory and utilisation of every rank, and FSDP's shard sizes."""
+"""A Lightning callback that measures a run for the run result it writes (hivetrain.run_result): time, samples,
+validation per epoch, the best weights, peak memory and utilisation of every rank, and FSDP's shard sizes."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from baselines.utilisation import NvidiaSmiLog, UtilisationSampler, peak_memory
 from baselines.sharded import StateDict, full_state_dict, parameter_bytes
 from hivetrain.config import RunConfig
 from hivetrain.model import save_weights
-from hivetrain.records import PipelineLayout, RankMemory, Sharding, UtilisationSample, ValidationPoint
+from hivetrain.run_result import PipelineLayout, RankMemory, Sharding, UtilisationSample, ValidationPoint
 
 
 @dataclass
 class RunStats:
-    """What a run measured, all ranks together; the record adds the run's settings."""
+    """What a run measured, all ranks together; the run result adds the run's settings."""
 
     validation: list[ValidationPoint] = field(default_factory=list)
     memory: list[RankMemory] = field(default_factory=list)
@@ -46,6 +46,8 @@ class RunStats:
 
 
 class RunRecorder(pl.Callback):
+    """Measures the run on every rank; rank 0's `stats` go into the run result that baselines/run.py writes."""
+
     def __init__(self, config: RunConfig, best_path: Optional[Path], final_path: Optional[Path],
                  nvidia_smi_path: Path, sharded: bool):
         self.config, self.best_path, self.final_path, self.sharded = config, best_path, final_path, sharded

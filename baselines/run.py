@@ -1,5 +1,5 @@
 """Centralised baselines: train a preset on one device, with DDP, with FSDP2 sharding, with DataParallel or as a
-pipeline of stages, and write one run record for the logbook.
+pipeline of stages, and write one run result for the logbook.
 
     python baselines/run.py --strategy single --preset demo --epochs 3
     python baselines/run.py --strategy ddp --devices 2 --preset demo --threads 1
@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             " Several nodes: run the same command on every node with MASTER_ADDR, MASTER_PORT and NODE_RANK set"
             " (Lightning starts each node's --devices processes), or under torchrun or SLURM; baselines/README.md has"
             " the recipes, including 2 nodes simulated on one machine."
-            " Each run writes <record-dir>/<name>.json; python -m benchmarks.logbook build turns records into pages."
+            " Each run writes <result-dir>/<name>.json; python -m benchmarks.logbook build turns results into pages."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -101,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="where the best checkpoint goes (default: <out-dir>/checkpoints/<run name>); S3 credentials"
                           " come from the standard AWS chain")
     out.add_argument("--s3-endpoint-url", default=None, help="an S3-compatible server's URL")
-    out.add_argument("--record-dir", default=None, help="where the run record goes (default: <out-dir>/records)")
+    out.add_argument("--result-dir", default=None, help="where the run result goes (default: <out-dir>/results)")
     out.add_argument("--save-final-weights", default=None, metavar="FILE",
                      help="also write the final weights (safetensors), gathered from all shards")
     out.add_argument("--progress-bar", choices=("auto", "on", "off"), default="auto",
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     name = f"{experiment}-{args.strategy}-{args.num_nodes}x{devices}-{stamp}"
     out_dir = Path(args.out_dir)
-    record_dir = Path(args.record_dir) if args.record_dir else out_dir / "records"
+    result_dir = Path(args.result_dir) if args.result_dir else out_dir / "results"
 
     num_workers = args.num_workers if args.num_workers is not None else (4 if device == "cuda" else 0)
     datamodule = _datamodule(args, config, num_workers, speedups["pinned_memory"])
@@ -284,11 +284,11 @@ def _run(args: argparse.Namespace, command: str) -> int:
         datamodule.batch_size = batch_size
         stats = _train_lightning(args, config, datamodule, device, devices, precision, name, out_dir, best_path,
                                  final_path, loggers)
-    if stats is None:  # a rank other than 0: rank 0 writes the record
+    if stats is None:  # a rank other than 0: rank 0 writes the result
         return 0
 
-    from hivetrain.records import (
-        BatchSearch, BatchTrial, RunRecord, cpu_name, software_versions, store_checkpoint, write_record,
+    from hivetrain.run_result import (
+        BatchSearch, BatchTrial, RunResult, cpu_name, software_versions, store_checkpoint, write_result,
     )
 
     best = max(stats.validation, key=lambda point: point.top1, default=None)
@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace, command: str) -> int:
         )
 
     global_batch = batch_size * replicas * args.accumulate
-    record = RunRecord(
+    run_result = RunResult(
         name=name, experiment=experiment, strategy=args.strategy, preset=config.preset, config=config.to_dict(),
         fingerprint=config.fingerprint, command=command, started_at=started_at, host=os.uname().nodename,
         accelerator=device, device_name=torch.cuda.get_device_name(0) if device == "cuda" else cpu_name(),
@@ -319,15 +319,15 @@ def _run(args: argparse.Namespace, command: str) -> int:
         sharding=stats.sharding, pipeline=stats.pipeline, tensorboard_dir=str(tb_dir),
         nvidia_smi_log=stats.nvidia_smi_log, cpu_count=os.cpu_count(), speedups=speedups,
     )
-    path = write_record(record, record_dir)
+    path = write_result(run_result, result_dir)
     if wandb_run is not None:  # the best checkpoint by reference: its URI, not its bytes
         wandb_run.summary.update({"best/top1": stats.best_top1, "best/epoch": best.epoch if best else None,
-                                  "best/checkpoint": stats.best_checkpoint, "record": str(path)})
+                                  "best/checkpoint": stats.best_checkpoint, "result": str(path)})
         wandb_run.finish()
-    last = record.final
-    result = f"val top-1 {last.top1:.2%}, loss {last.loss:.4f}" if last else "no validation"
-    print(f"{name}: {record.steps} steps, {record.train_samples} samples in {record.wall_time_s:.1f} s"
-          f" ({record.samples_per_s:.1f} samples/s), {result}. Record: {path}", flush=True)
+    last = run_result.final
+    outcome = f"val top-1 {last.top1:.2%}, loss {last.loss:.4f}" if last else "no validation"
+    print(f"{name}: {run_result.steps} steps, {run_result.train_samples} samples in {run_result.wall_time_s:.1f} s"
+          f" ({run_result.samples_per_s:.1f} samples/s), {outcome}. Result: {path}", flush=True)
     return 0
 
 
@@ -353,7 +353,7 @@ def _resolve_batch_size(args: argparse.Namespace, config, device: str, precision
     from hivetrain.batch_size import MAX_BATCH, TrialSpec, find_batch_size
 
     if FOUND_BATCH_ENV in os.environ:  # a process Lightning started: its node's first process already searched
-        return int(os.environ[FOUND_BATCH_ENV]), None  # (such a process never writes the record)
+        return int(os.environ[FOUND_BATCH_ENV]), None  # (such a process never writes the result)
     if "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ:
         raise ValueError("--batch-size auto searches before Lightning starts a node's processes; under torchrun or"
                          " SLURM run `python -m baselines.batch_finder --preset ...` once and pass --batch-size N")
@@ -472,6 +472,6 @@ if __name__ == "__main__":
     try:
         code = main()
     except KeyboardInterrupt:
-        print("interrupted: no record written", file=sys.stderr)
+        print("interrupted: no result written", file=sys.stderr)
         code = 130
     sys.exit(code)

@@ -14,7 +14,7 @@ from typing import Optional
 import psutil
 import torch
 
-from hivetrain.records import RankMemory, UtilisationSample
+from hivetrain.run_result import RankMemory, UtilisationSample
 from hivetrain.sampling import PeriodicSampler
 
 

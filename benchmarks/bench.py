@@ -1,10 +1,10 @@
 """Benchmarks whose numbers land in the logbook: python -m benchmarks.bench SUITE [--smoke | --page].
 
 Each suite starts real roles (coordinator/start.py, peers/join.py) as processes on loopback (benchmarks.harness) and
-measures them from what they write for programs: their events, the coordinator's metrics store and run records, never
-their console lines. It keeps a record, logbook/bench-records/bench-SUITE-<time>.json (the suite, the command, the
-machine, versions, commit and date, and the result), and writes its section of logbook/benchmarks.md, or its page,
-from it. --page measures nothing: it writes the section or page again from the suite's newest record.
+measures them from what they write for programs: their events, the coordinator's metrics store and run results, never
+their console lines. It keeps a bench result, logbook/bench-results/bench-SUITE-<time>.json (the suite, the command,
+the machine, versions, commit and date, and what it measured), and writes its section of logbook/benchmarks.md, or
+its page, from it. --page measures nothing: it writes the section or page again from the suite's newest result.
 
 Suites here: join (time from `peers/join.py` start to the swarm's state loaded, and to its first local step);
 throughput (samples/s of single, DDP and a swarm on equal hardware, and the swarm's time outside compute); links (DDP
@@ -19,7 +19,7 @@ A suite is a function (work folder, smoke) -> JSON-able result and a function (r
 its Markdown, in a module of its own (benchmarks.join, .throughput, .links, .communication, .convergence, .churn,
 .monitor, .relay, .defences for attacks, .scale with .scale_fit and .scale_page) on top of benchmarks.harness and
 benchmarks.report, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The
-environment it gets also names the command that measured it and the record's path.
+environment it gets also names the command that measured it and the result's path.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from benchmarks.convergence import convergence_section, convergence_suite
 from benchmarks.defences import attacks_section, attacks_suite
 from benchmarks.harness import ROOT, git_commit
 from benchmarks import report
-from benchmarks.report import RECORDS, newest_record  # noqa: F401 (the tests read records through bench)
+from benchmarks.report import RESULTS, newest_result  # noqa: F401 (the tests read results through bench)
 from benchmarks.join import join_section, join_suite
 from benchmarks.links import links_section, links_suite
 from benchmarks.monitor import monitor_section, monitor_suite
@@ -79,7 +79,7 @@ SUITES = {
 # the suites whose Markdown lands elsewhere than logbook/benchmarks.md: attacks beside the faults (tests/test_faults.py
 # writes the rest of that page), scale a whole page of its own
 PAGES = {"attacks": "reliability.md", "scale": "scale.md"}
-# the suites whose pages also read another suite's newest record, by that suite: the scale page's relay section
+# the suites whose pages also read another suite's newest result, by that suite: the scale page's relay section
 READ_BY = {"relay": ("scale",)}
 
 
@@ -109,13 +109,13 @@ def write_section(name: str, section: str, page: Optional[Path] = None) -> None:
     page.write_text(header + "".join(sections[key] for key in sorted(sections)).rstrip("\n") + "\n")
 
 
-def render(suite: str, record: dict, path: Path, out: Path) -> str:
-    """Suite `suite`'s section or page from its record, kept at `path`; its plots are written into `out`. The renderer
-    gets the record's environment with the command that measured it (records older than that field: the plain
-    command) and the record's path."""
-    env = dict(record["environment"], command=record.get("command", f"python -m benchmarks.bench {suite}"),
-               record=_shown(path))
-    return SUITES[suite][1](record["result"], env, out)
+def render(suite: str, bench_result: dict, path: Path, out: Path) -> str:
+    """Suite `suite`'s section or page from its bench result, kept at `path`; its plots are written into `out`. The
+    renderer gets the result's environment with the command that measured it (results older than that field: the
+    plain command) and the result's path (`result_file`)."""
+    env = dict(bench_result["environment"], command=bench_result.get("command", f"python -m benchmarks.bench {suite}"),
+               result_file=_shown(path))
+    return SUITES[suite][1](bench_result["result"], env, out)
 
 
 def _shown(path: Path) -> str:
@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("suite", choices=sorted(SUITES))
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--smoke", action="store_true",
-                      help="the smallest run (for the tests): prints its record and Markdown, writes nothing")
+                      help="the smallest run (for the tests): prints its result and Markdown, writes nothing")
     what.add_argument("--page", action="store_true",
-                      help="measure nothing: the suite's section or page again from its newest record")
+                      help="measure nothing: the suite's section or page again from its newest result")
     args = parser.parse_args(argv)
     page = page_of(args.suite)
     if args.page:
-        path = newest_record(args.suite)
+        path = newest_result(args.suite)
         write_section(args.suite, render(args.suite, json.loads(path.read_text()), path, page.parent))
         print(f"Wrote {_shown(page)} ({args.suite}) from {_shown(path)}")
         return 0
@@ -142,21 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix=f"bench-{args.suite}-"))
     # on a failure the roles' logs stay in `work`: the error names them
     result = SUITES[args.suite][0](work, smoke=args.smoke)
-    record = dict(suite=args.suite, command=command, environment=env, result=result)
-    print(json.dumps(record, indent=1))
-    if args.smoke:  # the record, the page and its plots go to the scratch folder, printed, then thrown away
+    bench_result = dict(suite=args.suite, command=command, environment=env, result=result)
+    print(json.dumps(bench_result, indent=1))
+    if args.smoke:  # the result, the page and its plots go to the scratch folder, printed, then thrown away
         path = work / f"bench-{args.suite}-smoke.json"
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(render(args.suite, record, path, work))
+        path.write_text(json.dumps(bench_result, indent=1) + "\n")
+        print(render(args.suite, bench_result, path, work))
         shutil.rmtree(work)
         return 0
     shutil.rmtree(work)
-    report.RECORDS.mkdir(parents=True, exist_ok=True)
-    path = report.RECORDS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    write_section(args.suite, render(args.suite, record, path, page.parent))
+    report.RESULTS.mkdir(parents=True, exist_ok=True)
+    path = report.RESULTS / f"bench-{args.suite}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps(bench_result, indent=1) + "\n")
+    write_section(args.suite, render(args.suite, bench_result, path, page.parent))
     print(f"Wrote {_shown(page)} ({args.suite}) and {_shown(path)}")
-    for reader in READ_BY.get(args.suite, ()):  # a page that quotes this record, written again from its own
+    for reader in READ_BY.get(args.suite, ()):  # a page that quotes this result, written again from its own
         main([reader, "--page"])
     return 0
 

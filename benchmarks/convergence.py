@@ -44,7 +44,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
                                                          str(global_batch // batch // 2), "--epochs", str(data_epochs),
                                                          "--seed", str(seed)])
                 for seed in range(1 if smoke else CONVERGENCE_SEEDS)]
-    ddp_curves = [_validation_curve(record) for record in ddp_runs]
+    ddp_curves = [_validation_curve(run) for run in ddp_runs]
     curves = {"single": _validation_curve(single), "DDP": ddp_curves[0]}
     swarm_epochs = single["train_samples"] // global_batch
     # The peers train until the coordinator has validated the swarm's state at that epoch or later: the coordinator
@@ -104,7 +104,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
     for name, curve in curves.items():
         print(f"{name}: final top-1 {curve[-1][1]:.3f} after {curve[-1][0]} samples", flush=True)
     return dict(preset="demo", global_batch_size=global_batch, curves=curves, inner_steps=CONVERGENCE_INNER_STEPS,
-                swarm_samples="trained",  # the peers' own counts (records before: nominal, epochs x samples per epoch)
+                swarm_samples="trained",  # the peers' own counts (results before: nominal, epochs x samples per epoch)
                 seed_curves=seeds, baseline_seed_curves={"DDP": ddp_curves}, samples_per_epoch=per_epoch,
                 seed_finals=dict(round=rounds, runs=finals),
                 grouped=dict(peers=CONVERGENCE_GROUPED_PEERS, target_group_size=CONVERGENCE_GROUP_SIZE),
@@ -112,7 +112,7 @@ def convergence_suite(work: Path, smoke: bool) -> dict:
 
 
 def _per_epoch_text(per_epoch: dict | None) -> str:
-    """What a peer trained per swarm epoch (diloco: round), nominal against its epoch events; older records: nothing."""
+    """What a peer trained per swarm epoch (diloco: round), nominal against its epoch events; older results: nothing."""
     if not per_epoch:
         return ""
     return ("\n\nSamples a peer trained per swarm epoch (diloco: per round), the run's nominal share against the"
@@ -131,9 +131,9 @@ def _trained_per_epoch(peers: list) -> float:
     return statistics.median(steps) if steps else 0.0
 
 
-def _validation_curve(record: dict) -> list:
-    """A baseline's run record as (samples seen, top-1) after each pass over the data."""
-    return [(point["step"] * record["global_batch_size"], point["top1"]) for point in record["validation"]]
+def _validation_curve(run_result: dict) -> list:
+    """A baseline's run result as (samples seen, top-1) after each pass over the data."""
+    return [(point["step"] * run_result["global_batch_size"], point["top1"]) for point in run_result["validation"]]
 
 # the curves validated by a coordinator, in table order
 CONVERGENCE_SWARMS = ("swarm", "diloco", "diloco-blocking", "diloco-nesterov", "diloco-grouped")
@@ -162,7 +162,7 @@ def convergence_section(result: dict, env: dict, out: Path) -> str:
         seen = [top1 for count, top1 in curve if count <= samples]
         return f"{seen[-1]:.3f}" if seen else ""
 
-    swarms = [name for name in CONVERGENCE_SWARMS if name in curves]  # older records lack the later curves
+    swarms = [name for name in CONVERGENCE_SWARMS if name in curves]  # older results lack the later curves
     rows = "".join(f"| {samples} | {top1:.3f} | {at(curves['DDP'], samples)} | "
                    + " | ".join(at(curves[name], samples) for name in swarms) + " |\n"
                    for samples, top1 in curves["single"])

@@ -33,7 +33,7 @@ ATTACKS = ("scale:-10", "scale:1000", "noise", "replay")  # benchmarks/attacks.p
 DEFENCES = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip"],
             "centered-clip-r1": ["--robust-aggregation", "centered-clip", "--clip-radius", "1"],
             "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}
-# what the defences of records written before the suite recorded them meant at their commits (before dc48bea)
+# what the defences of results written before the suite recorded them meant at their commits (before dc48bea)
 DEFENCES_BEFORE_DC48BEA = {"none": [], "centered-clip": ["--robust-aggregation", "centered-clip", "--clip-radius", "1"],
                            "centered-clip-r0.25": ["--robust-aggregation", "centered-clip", "--clip-radius", "0.25"],
                            "trimmed-mean": ["--robust-aggregation", "trimmed-mean"]}

@@ -39,7 +39,7 @@ COMPILE_RATIO_TARGET = 1.2  # the compiled single process's samples/s over the e
 COMPILE_TIMEOUT_S = 300  # start, compilation (a minute or so for ViT-B/32 on a GPU machine), warm-up, timed window
 COMPILE_OVERRUN_S = 30  # the compiled run, the proof's last, is stopped this long after the proof's budget ends
 COMPILE_WARMUP_STEPS = 10  # at least: the first step compiles, and a recompilation would come in the next few
-# A step's record while it runs: what the page shows when SIGTERM ends the proof in it.
+# A step's result while it runs: what the page shows when SIGTERM ends the proof in it.
 STOPPED_WHILE_RUNNING = "not finished: the proof was stopped (SIGTERM) while it ran"
 
 
@@ -199,23 +199,23 @@ def why_skipped(skip_flag: bool, flag: str, clock) -> Optional[str]:
     return f"skipped: {flag} was given" if skip_flag else clock.spent()
 
 
-def run_control(record: dict, args, artifacts: Path, clock) -> None:
+def run_control(proof: dict, args, artifacts: Path, clock) -> None:
     """The gpu_proof's step: two plain processes sharing the GPU at the swarm's batch and precision
-    (`measure_control`), held against the reference's single process, into record["control"]; skipped by
+    (`measure_control`), held against the reference's single process, into proof["control"]; skipped by
     --no-control or a spent budget.
 
     Args:
-        record: the proof's record; its reference's single process has run (or failed, or was skipped).
+        proof: the proof's result; its reference's single process has run (or failed, or was skipped).
         args: gpu_proof's parsed command line.
         artifacts: where the runs' files go.
         clock: gpu_proof's Clock (its budget, `spent`, and `say`).
     """
     if (skipped := why_skipped(args.no_control, "--no-control", clock)) is not None:
-        record["control"] = dict(error=skipped)
+        proof["control"] = dict(error=skipped)
     else:
-        record["control"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first
-        record["control"] = measure_control(args.swarm_batch, args.speed_seconds, artifacts, clock,
-                                            record["reference"]["single"], train_samples=args.train_samples,
+        proof["control"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first
+        proof["control"] = measure_control(args.swarm_batch, args.speed_seconds, artifacts, clock,
+                                            proof["reference"]["single"], train_samples=args.train_samples,
                                             seed=args.seed, warmup_steps=args.warmup_steps)
         return
-    clock.say(f"control: {record['control']['error']}")
+    clock.say(f"control: {proof['control']['error']}")

@@ -1,9 +1,10 @@
-"""The GPU proof's page: logbook/gpu.md and its plots, rendered from one recorded run (JSON) and nothing else.
+"""The GPU proof's page: logbook/gpu.md and its plots, rendered from one run's result (JSON) and nothing else.
 
-    python -m benchmarks.gpu_page logbook/gpu-records/gpu-proof-20261125T120000.json [--out logbook]
+    python -m benchmarks.gpu_page logbook/gpu-results/gpu-proof-20261125T120000.json [--out logbook]
 
-`python -m benchmarks.gpu_proof` records a run and calls `render_gpu_page`; this command renders the page again from
-a record (its raw nvidia-smi files are in the folder named by the record's `artifacts`, beside it).
+`python -m benchmarks.gpu_proof` measures a run, writes its result and calls `render_gpu_page`; this command renders
+the page again from a result (its raw nvidia-smi files are in the folder named by the result's `artifacts`, beside
+it).
 """
 
 from __future__ import annotations
@@ -25,56 +26,57 @@ SPEED_PLOT = "gpu-speed.png"
 UTILISATION_PLOT = "gpu-utilisation.png"
 
 
-def render_gpu_page(record: dict, out_dir: Path, records_dir: Path) -> Path:
-    """Write `out_dir`/gpu.md and its plots from `record` (as gpu_proof writes it, read from `records_dir`, where its
-    artifacts folder is); returns the page's path. A record marked `example` says so at the top of the page."""
+def render_gpu_page(proof: dict, out_dir: Path, results_dir: Path) -> Path:
+    """Write `out_dir`/gpu.md and its plots from `proof`, the proof's result (as gpu_proof writes it, read from
+    `results_dir`, where its artifacts folder is); returns the page's path. A result marked `example` says so at the
+    top of the page."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    artifacts = records_dir / record["artifacts"]
+    artifacts = results_dir / proof["artifacts"]
     def link(path: Path, text: Optional[str] = None) -> str:
         """A link relative to the page; with `text`, the markdown link, or the text marked "not kept" where the file is
-        missing (raw files that did not come back from the GPU machine: the record keeps what they showed)."""
+        missing (raw files that did not come back from the GPU machine: the result keeps what they showed)."""
         relative = os.path.relpath(path, out_dir)
         return relative if text is None else f"[{text}]({relative})" if path.exists() else f"{text} (not kept)"
-    env, data = record["environment"], record["data"]
+    env, data = proof["environment"], proof["data"]
     gpus = env["gpus"]
     gpu_text = ", ".join(f"{g['name']} ({fmt_bytes(g['memory_total_bytes'])})" for g in gpus) or "none seen by NVML"
     title_gpu = gpus[0]["name"] if gpus else "a CUDA GPU"
     lines = [f"# GPU proof: ViT-B/32 on {title_gpu}", ""]
-    if record.get("example"):
-        lines += ["> **Example record, not a measurement.** This page was rendered from a hand-written example record"
+    if proof.get("example"):
+        lines += ["> **Example result, not a measurement.** This page was rendered from a hand-written example result"
                   " (a test fixture); none of its numbers were measured.", ""]
-    if not record.get("finished", True):
+    if not proof.get("finished", True):
         lines += ["> **Cut off.** The proof stopped before its last step (a time limit or a lost machine); the page"
                   " shows the steps it finished, saved after each one.", ""]
     lines += [
-        f"Measured by `{record['command']}` on {env['date']}, commit `{env['commit']}` ({env['host']}; {env['cpu']}).",
+        f"Measured by `{proof['command']}` on {env['date']}, commit `{env['commit']}` ({env['host']}; {env['cpu']}).",
         f"GPUs: {gpu_text}; NVIDIA driver {env.get('driver') or 'unknown'}; {env['cuda_device_count']} visible to CUDA."
         f" Python {env['python']}, torch {env['torch']} (CUDA {env['cuda']}, cuDNN {env['cudnn']}),"
         f" hivemind {env.get('hivemind') or 'not installed'}. The whole proof took"
-        f" {fmt_seconds(record['wall_time_s'])}.",
+        f" {fmt_seconds(proof['wall_time_s'])}.",
         "",
         f"**Data: {data['origin']}.** uint8 images of {'×'.join(map(str, data['image_shape']))} with labels of"
         f" {data['num_classes']} classes, {data['train_samples']:,} for training and {data['val_samples']:,} for"
         f" validation, seed {data['seed']}, made on the fly by DataLoader workers and resized to"
-        f" {record['model']['img_size']} px and normalised on the GPU. They are noise: accuracy means nothing here"
+        f" {proof['model']['img_size']} px and normalised on the GPU. They are noise: accuracy means nothing here"
         " (validation top-1 stays at chance, about 10%); speed and memory are those of the real model.",
         "",
-        f"**Model:** timm `{record['model']['name']}`, random init, {record['model']['num_classes']} classes,"
-        f" at {record['model']['img_size']} px, with the `{record['model']['optimizer_preset']}` preset's AdamW;"
+        f"**Model:** timm `{proof['model']['name']}`, random init, {proof['model']['num_classes']} classes,"
+        f" at {proof['model']['img_size']} px, with the `{proof['model']['optimizer_preset']}` preset's AdamW;"
         " plain PyTorch training steps (autocast for mixed precision, a gradient scaler for 16-mixed), no"
-        " torch.compile" + (" but in the compiled run at the swarm's batch." if "compiled" in record else "."),
+        " torch.compile" + (" but in the compiled run at the swarm's batch." if "compiled" in proof else "."),
         "",
     ]
-    lines += _batch_section(record)
-    lines += _speed_section(record, out_dir)
-    lines += _reference_section(record, artifacts, link)
-    lines += _control_section(record, artifacts, link)
-    lines += _swarm_section(record, artifacts, link)
-    lines += _recording_section(record, out_dir, artifacts, link)
-    record_file = records_dir / f"{record['name']}.json"
-    lines += ["## The record", "",
-              f"Everything above comes from [{record_file.name}]({link(record_file)}) and the raw files beside it;"
-              f" `python -m benchmarks.gpu_page {record_file} --out {out_dir}` renders this page again from it.", ""]
+    lines += _batch_section(proof)
+    lines += _speed_section(proof, out_dir)
+    lines += _reference_section(proof, artifacts, link)
+    lines += _control_section(proof, artifacts, link)
+    lines += _swarm_section(proof, artifacts, link)
+    lines += _recording_section(proof, out_dir, artifacts, link)
+    result_file = results_dir / f"{proof['name']}.json"
+    lines += ["## The result", "",
+              f"Everything above comes from [{result_file.name}]({link(result_file)}) and the raw files beside it;"
+              f" `python -m benchmarks.gpu_page {result_file} --out {out_dir}` renders this page again from it.", ""]
     page = out_dir / PAGE_NAME
     page.write_text("\n".join(lines).rstrip("\n") + "\n")
     return page
@@ -90,14 +92,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
 
 
-def _batch_section(record: dict) -> list[str]:
-    settings = record["settings"]
+def _batch_section(proof: dict) -> list[str]:
+    settings = proof["settings"]
     if settings.get("search") is False:  # --no-search: one line instead of a table of skipped searches
         return ["## The largest batch per precision", "",
                 f"Not searched (`--no-search`): every precision ran at the swarm's batch, {settings['swarm_batch']}.",
                 ""]
     rows, details = [], []
-    for entry in record["precisions"]:
+    for entry in proof["precisions"]:
         search = entry["search"]
         if search.get("error"):
             rows.append([f"`{entry['precision']}`", "–", "–", "–", "–", _failure(search["error"])])
@@ -128,9 +130,9 @@ def _batch_section(record: dict) -> list[str]:
     ]
 
 
-def _speed_section(record: dict, out_dir: Path) -> list[str]:
+def _speed_section(proof: dict, out_dir: Path) -> list[str]:
     rows = []
-    for entry in record["precisions"]:
+    for entry in proof["precisions"]:
         for run in (entry["single"], entry.get("ddp")):
             if run is None:
                 continue
@@ -151,16 +153,16 @@ def _speed_section(record: dict, out_dir: Path) -> list[str]:
         *_table(["precision", "run", "batch per GPU", "train samples/s", "validation samples/s",
                  "peak GPU memory", "of the GPU", "timed steps", "note"], rows),
         "",
-        f"Training is timed after warm-up ({record['settings']['warmup_steps']} steps) for at least"
-        f" {record['settings']['speed_seconds']:g} s (whole steps, the GPU synchronised at both ends), then one pass"
+        f"Training is timed after warm-up ({proof['settings']['warmup_steps']} steps) for at least"
+        f" {proof['settings']['speed_seconds']:g} s (whole steps, the GPU synchronised at both ends), then one pass"
         " over the validation split. Peak memory is `torch.cuda.max_memory_allocated` since the process started"
         " (model, optimizer state, activations), the largest over the ranks. Data: "
-        f"{record['data']['origin']}.",
+        f"{proof['data']['origin']}.",
         "",
-        record["ddp_note"],
+        proof["ddp_note"],
         "",
     ]
-    if plot_speed(record, out_dir / SPEED_PLOT):
+    if plot_speed(proof, out_dir / SPEED_PLOT):
         lines += [f"![Training samples/s and peak GPU memory per precision]({SPEED_PLOT})", ""]
     return lines
 
@@ -177,10 +179,10 @@ def _met(met: Optional[bool]) -> str:
     return "–" if met is None else ("met" if met else "not met")
 
 
-def _reference_section(record: dict, artifacts: Path, link) -> list[str]:
-    """The single process and the pure-compute ceiling at the swarm's batch (records from before they were measured
+def _reference_section(proof: dict, artifacts: Path, link) -> list[str]:
+    """The single process and the pure-compute ceiling at the swarm's batch (results from before they were measured
     have no `reference`: nothing is shown)."""
-    reference = record.get("reference")
+    reference = proof.get("reference")
     if not reference:
         return []
     single, ceiling = reference.get("single"), reference.get("ceiling")
@@ -207,8 +209,8 @@ def _reference_section(record: dict, artifacts: Path, link) -> list[str]:
             f" ({ceiling['matmul_size']}³ product); {ceiling['train_flops_per_image'] / 1e9:,.1f} GFLOP per training"
             f" image (3 × the forward's, counted by torch)."
             f" Log: {link(artifacts / ceiling['log'], ceiling['log'])}.")
-    if "compiled" in record:
-        lines.append(_compiled_line(record["compiled"], artifacts, link))
+    if "compiled" in proof:
+        lines.append(_compiled_line(proof["compiled"], artifacts, link))
     return lines + [""]
 
 
@@ -235,12 +237,12 @@ def _utc(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-def _control_section(record: dict, artifacts: Path, link) -> list[str]:
-    """Two plain processes sharing the GPU, the swarm's control (records from before it have no `control`: nothing is
+def _control_section(proof: dict, artifacts: Path, link) -> list[str]:
+    """Two plain processes sharing the GPU, the swarm's control (results from before it have no `control`: nothing is
     shown)."""
-    if "control" not in record:
+    if "control" not in proof:
         return []
-    control = record["control"]
+    control = proof["control"]
     lines = ["## Two plain processes sharing the GPU (the swarm's control)", ""]
     if control is None:
         return lines + ["Not reached: the proof stopped before it.", ""]
@@ -286,19 +288,19 @@ def _control_section(record: dict, artifacts: Path, link) -> list[str]:
     return lines + logs
 
 
-def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
-    swarm = record["swarm"]
+def _swarm_section(proof: dict, artifacts: Path, link) -> list[str]:
+    swarm = proof["swarm"]
     lines = ["## The swarm on the GPU", ""]
     if swarm.get("skipped"):
         return lines + [f"Not run: {swarm['skipped']}", ""]
-    if "variants" not in swarm:  # a record from before the mission-shaped swarm: sync and diloco on digits
+    if "variants" not in swarm:  # a result from before the mission-shaped swarm: sync and diloco on digits
         return lines + _modes_section(swarm, artifacts, link)
     rows = []
     for run in swarm["variants"]:
         if run.get("error"):
             rows.append([run["variant"], str(run.get("peers", 2)), *["–"] * 10, _failure(run["error"])])
             continue
-        ratio, to_control = run["ratio_to_single"], run.get("ratio_to_control")  # older records: no control
+        ratio, to_control = run["ratio_to_single"], run.get("ratio_to_control")  # older results: no control
         rows.append([run["variant"], str(run.get("peers", 2)), f"{run['samples_per_s']:,.0f}",
                      "–" if ratio is None else f"{ratio:.3f}",
                      "–" if to_control is None else f"{to_control:.3f}",
@@ -307,10 +309,10 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
                      _shares(run["swarm_time_share"]), _shares(run["wait_share"]), _percent(run["mfu"]),
                      f"{fmt_seconds(run['window_s'])}, {run['epochs']}", ""
                      if run["gpu_util_over"] == "window" else "GPU utilisation over the whole run"])
-    single = (record.get("reference") or {}).get("single") or {}
+    single = (proof.get("reference") or {}).get("single") or {}
     single_rate = (f"{single['train_samples_per_s']:,.0f} samples/s, above" if single.get("train_samples_per_s")
                    else "not measured: no ratio")
-    control = record.get("control") or {}
+    control = proof.get("control") or {}
     control_rate = (f"{control['samples_per_s']:,.0f} samples/s, above" if control.get("samples_per_s")
                     else "not measured: no ratio")
     lines += [
@@ -342,7 +344,7 @@ def _swarm_section(record: dict, artifacts: Path, link) -> list[str]:
 
 
 def _modes_section(swarm: dict, artifacts: Path, link) -> list[str]:
-    """The swarm of an older record: one row per swarm mode (sync, diloco) of the digits-vit-b32 preset."""
+    """The swarm of an older result: one row per swarm mode (sync, diloco) of the digits-vit-b32 preset."""
     rows = []
     for run in swarm["modes"]:
         if run.get("error"):
@@ -370,31 +372,31 @@ def _logs_lines(runs: list[dict], artifacts: Path, link) -> list[str]:
     return ["Logs: " + ", ".join(f"{link(artifacts / name, name)}" for name in logs) + ".", ""] if logs else []
 
 
-def _runs(record: dict) -> list[tuple[str, dict]]:
+def _runs(proof: dict) -> list[tuple[str, dict]]:
     """(label, recording) of every run, in the order they ran."""
     runs = []
-    for entry in record["precisions"]:
+    for entry in proof["precisions"]:
         runs.append((f"batch search `{entry['precision']}`", entry["search"].get("recording")))
         for run in (entry["single"], entry.get("ddp")):
             if run is not None:
                 runs.append((f"speed `{entry['precision']}` {run.get('strategy', '')}", run.get("recording")))
-    reference = record.get("reference") or {}
+    reference = proof.get("reference") or {}
     if reference.get("single_from") == OWN_REFERENCE_RUN:
         runs.append((f"speed `{reference['precision']}` at the swarm's batch", reference["single"].get("recording")))
     if reference.get("ceiling"):
         runs.append((f"ceiling `{reference['precision']}`", reference["ceiling"].get("recording")))
-    if record.get("control"):
-        runs.append(("two plain processes (control)", record["control"].get("recording")))
-    for run in record["swarm"].get("variants", record["swarm"].get("modes", [])):
+    if proof.get("control"):
+        runs.append(("two plain processes (control)", proof["control"].get("recording")))
+    for run in proof["swarm"].get("variants", proof["swarm"].get("modes", [])):
         runs.append((f"swarm {run.get('variant') or run['mode']}", run.get("recording")))
-    if record.get("compiled"):
-        runs.append((f"speed `{reference.get('precision', '')}` compiled", record["compiled"].get("recording")))
+    if proof.get("compiled"):
+        runs.append((f"speed `{reference.get('precision', '')}` compiled", proof["compiled"].get("recording")))
     return [(label, recording) for label, recording in runs if recording]
 
 
-def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> list[str]:
+def _recording_section(proof: dict, out_dir: Path, artifacts: Path, link) -> list[str]:
     rows = []
-    for label, recording in _runs(record):
+    for label, recording in _runs(proof):
         series = recording["nvml_series"]
         util = [s["util_percent"] for s in series]
         memory = [s["memory_used_bytes"] for s in series]
@@ -404,7 +406,7 @@ def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> li
                      fmt_percent(sum(util) / len(util)) if util else "–", fmt_percent(max(util)) if util else "–",
                      fmt_bytes(max(memory)) if memory else "–",
                      ", ".join(f"{link(artifacts / name, name.split('.', 1)[1])}" for name in files) or "–"])
-    errors = sorted({r["nvml_error"] for _, r in _runs(record) if r.get("nvml_error")})
+    errors = sorted({r["nvml_error"] for _, r in _runs(proof) if r.get("nvml_error")})
     lines = [
         "## What the GPUs did", "",
         *_table(["run", "when (since start)", "mean GPU utilisation", "max GPU utilisation", "max memory in use",
@@ -418,27 +420,27 @@ def _recording_section(record: dict, out_dir: Path, artifacts: Path, link) -> li
     ]
     if errors:
         lines += [f"NVML problems: {'; '.join(errors)}.", ""]
-    if record.get("start_dumps"):
+    if proof.get("start_dumps"):
         lines += ["Before the first run: " + ", ".join(f"{link(artifacts / name, name)}"
-                                                       for name in record["start_dumps"]) + ".", ""]
-    if plot_utilisation(_runs(record), out_dir / UTILISATION_PLOT):
+                                                       for name in proof["start_dumps"]) + ".", ""]
+    if plot_utilisation(_runs(proof), out_dir / UTILISATION_PLOT):
         lines += [f"![GPU utilisation and memory in use over the whole proof]({UTILISATION_PLOT})", ""]
     return lines
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_page", description=__doc__.split("\n\n")[0])
-    parser.add_argument("record", type=Path, help="a JSON record written by python -m benchmarks.gpu_proof")
+    parser.add_argument("result", type=Path, help="a JSON result written by python -m benchmarks.gpu_proof")
     parser.add_argument("--out", type=Path, default=Path("logbook"), help="where gpu.md and its plots go")
     args = parser.parse_args(argv)
     try:
-        record = json.loads(args.record.read_text())
-        page = render_gpu_page(record, args.out, args.record.parent)
+        proof = json.loads(args.result.read_text())
+        page = render_gpu_page(proof, args.out, args.result.parent)
     except (OSError, ValueError) as e:
-        print(f"error: {args.record}: {e}", file=sys.stderr)
+        print(f"error: {args.result}: {e}", file=sys.stderr)
         return 2
     except (KeyError, TypeError) as e:
-        print(f"error: {args.record}: not a GPU proof record (missing or mistyped field {e})", file=sys.stderr)
+        print(f"error: {args.result}: not a GPU proof result (missing or mistyped field {e})", file=sys.stderr)
         return 2
     print(f"Wrote {page}")
     return 0

@@ -1,5 +1,5 @@
 """The GPU proof page's plots (benchmarks/gpu_page.py): training speed and memory per precision, and the GPUs'
-utilisation and memory in use over the whole proof, from the record alone."""
+utilisation and memory in use over the whole proof, from the result alone."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ def _pyplot():
     return plt
 
 
-def plot_speed(record: dict, path: Path) -> bool:
+def plot_speed(proof: dict, path: Path) -> bool:
     """Training samples/s and peak memory per precision, single GPU and DDP side by side; False when nothing ran."""
-    measured = [(e["precision"], run) for e in record["precisions"] for run in (e["single"], e.get("ddp"))
+    measured = [(e["precision"], run) for e in proof["precisions"] for run in (e["single"], e.get("ddp"))
                 if run is not None and not run.get("error")]
     if not measured:
         return False
@@ -35,7 +35,7 @@ def plot_speed(record: dict, path: Path) -> bool:
         memory_ax.legend(loc="lower right")
     memory_ax.set_ylabel("peak allocated (GiB)")
     memory_ax.set_title("Peak GPU memory (max over ranks)")
-    fig.suptitle(f"ViT-B/32 at 224 px, {record['data']['origin']}", fontsize=10)
+    fig.suptitle(f"ViT-B/32 at 224 px, {proof['data']['origin']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -29,8 +29,8 @@ no step starts after --budget-minutes (9); the short form above takes about 7 mi
    the page says why in one line.
 
 Every run is recorded: an NVML series of each GPU's utilisation and memory every second, nvidia-smi's CSV log, and
-raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION` text. The JSON record and those files go to
-logbook/gpu-records/; the page (benchmarks/gpu_page.py) is rendered from the record alone.
+raw `nvidia-smi` and `nvidia-smi -q -d MEMORY,UTILIZATION` text. The JSON result and those files go to
+logbook/gpu-results/; the page (benchmarks/gpu_page.py) is rendered from the result alone.
 
 Without a CUDA GPU it says so in one line and exits 0. The swarm needs hivemind: on a machine without network, bring
 the wheels of scripts/prepare-gpu-wheelhouse.sh in .whl/; when hivemind is missing, this installs them with
@@ -57,7 +57,7 @@ from benchmarks.gpu_control import (COMPILE_OVERRUN_S, COMPILE_TIMEOUT_S, COMPIL
 from benchmarks.gpu_speed import OOM_EXIT, PRECISIONS, PRESET, why_it_failed
 from benchmarks.harness import git_commit
 from benchmarks.gpu_swarm import (OWN_REFERENCE_RUN, SWARM_PRECISION, SWARM_VARIANTS, ensure_hivemind,
-                                  measure_ceiling, measure_swarm_variants, new_swarm_record, prepend_pythonpath)
+                                  measure_ceiling, measure_swarm_variants, new_swarm_result, prepend_pythonpath)
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_CUDA_LINE = "No CUDA GPU here: the GPU proof needs one; nothing was run."
@@ -77,7 +77,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                     " (diloco, rounds overlapped and blocking) and one peer alone on it held against them, and the"
                     " single process with"
                     " torch.compile against the eager one; record nvidia-smi and NVML"
-                    " while each run lasts; write logbook/gpu.md and a JSON record under logbook/gpu-records/."
+                    " while each run lasts; write logbook/gpu.md and a JSON result under logbook/gpu-results/."
                     " Without a CUDA GPU it prints one line and exits 0.",
         epilog="On a machine without network the swarm's hivemind comes from .whl/ (scripts/prepare-gpu-wheelhouse.sh"
                " fills it where there is network); baselines/README.md, section 'GPU proof', has the exact commands.",
@@ -121,11 +121,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                            " batch, held against the eager one (target 1.2 times); it runs last, compilation untimed")
     runs.add_argument("--budget-minutes", type=float, default=9.0,
                       help="start no step after this many minutes; the steps left are recorded as skipped (the"
-                           " record and page are written after every step, so a proof cut off keeps what it did)")
+                           " result and page are written after every step, so a proof cut off keeps what it did)")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("logbook"), help="where gpu.md and its plots go")
-    out.add_argument("--records", type=Path, default=Path("logbook/gpu-records"),
-                     help="where the JSON record and the raw nvidia-smi files go")
+    out.add_argument("--results", type=Path, default=Path("logbook/gpu-results"),
+                     help="where the JSON result and the raw nvidia-smi files go")
     out.add_argument("--commit", default=None,
                      help="the commit measured, for a copy of the repository without .git (default: git rev-parse"
                           " HEAD)")
@@ -178,7 +178,7 @@ class Clock:
         self.stopped = False
 
     def stop_on_sigterm(self) -> None:
-        """SIGTERM ends the step running (its processes are stopped, its logs kept) and skips the rest; the record
+        """SIGTERM ends the step running (its processes are stopped, its logs kept) and skips the rest; the result
         and page are saved as they stand."""
         def stop(signum, frame):
             if not self.stopped:
@@ -214,7 +214,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     clock = Clock(args.budget_minutes)
     clock.stop_on_sigterm()
     name = f"gpu-proof-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}"
-    artifacts = args.records / name
+    artifacts = args.results / name
     artifacts.mkdir(parents=True, exist_ok=True)
     # Roles and workers are started as scripts and modules of this checkout, which need not be pip-installed.
     prepend_pythonpath(ROOT)
@@ -226,7 +226,7 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
     clock.say(f"{name}: {', '.join(g['name'] for g in environment['gpus']) or 'GPUs'}; {gpu_count} visible to CUDA;"
               f" torch {environment['torch']} (CUDA {environment['cuda']}); data: {DATA_ORIGIN}")
     model = get_preset(PRESET).model
-    record = dict(
+    proof = dict(
         kind="gpu-proof", example=False, name=name, command=command, artifacts=name, environment=environment,
         data=dict(origin=DATA_ORIGIN, image_shape=list(IMAGE_SHAPE), num_classes=NUM_CLASSES,
                   train_samples=args.train_samples, val_samples=args.val_samples, seed=args.seed),
@@ -247,26 +247,26 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
         reference=dict(batch_size=args.swarm_batch, precision=SWARM_PRECISION, single=None, single_from=None,
                        ceiling=None),
         control=None, compiled=None,  # None: not reached
-        swarm=new_swarm_record(args.swarm_variants, args.swarm_minutes, args.swarm_batch, args.swarm_inner_steps,
+        swarm=new_swarm_result(args.swarm_variants, args.swarm_minutes, args.swarm_batch, args.swarm_inner_steps,
                                swarm_skipped),
         finished=False, wall_time_s=0.0,
     )
-    record_path = args.records / f"{name}.json"
+    result_path = args.results / f"{name}.json"
 
     def save() -> Path:
-        """The record and page as they stand: a proof cut off (a time limit, a lost machine) keeps every step done."""
+        """The result and page as they stand: a proof cut off (a time limit, a lost machine) keeps every step done."""
         from benchmarks.gpu_page import render_gpu_page
 
-        record["wall_time_s"] = round(time.monotonic() - clock.zero, 1)
-        atomic_write(record_path, json.dumps(record, indent=1) + "\n")
-        return render_gpu_page(record, args.out, args.records)
+        proof["wall_time_s"] = round(time.monotonic() - clock.zero, 1)
+        atomic_write(result_path, json.dumps(proof, indent=1) + "\n")
+        return render_gpu_page(proof, args.out, args.results)
 
     try:
         start = args.search_start
         for precision in args.precisions:
             not_reached = dict(strategy="single", error="not reached: the proof stopped before this run")
             entry: dict = dict(precision=precision, single=not_reached, ddp=None)
-            record["precisions"].append(entry)
+            proof["precisions"].append(entry)
             if skipped := clock.spent():
                 entry["search"] = dict(error=skipped)
                 entry["single"] = dict(strategy="single", error=skipped)
@@ -298,25 +298,25 @@ def run_proof(args: argparse.Namespace, command: str) -> int:
                     entry["ddp"] = measure_speed(precision, batch, gpu_count, args, artifacts, clock)
                 save()
 
-        measure_reference(record, args, artifacts, clock, save)
-        run_control(record, args, artifacts, clock)
+        measure_reference(proof, args, artifacts, clock, save)
+        run_control(proof, args, artifacts, clock)
         save()
         if swarm_skipped is None:
-            record["swarm"]["skipped"] = None
-            reference = record["reference"]
+            proof["swarm"]["skipped"] = None
+            reference = proof["reference"]
             for variant in args.swarm_variants:
-                record["swarm"]["variants"] += measure_swarm_variants(
+                proof["swarm"]["variants"] += measure_swarm_variants(
                     [variant], args.swarm_minutes, args.swarm_batch, args.swarm_inner_steps, artifacts, clock,
-                    single=reference["single"], ceiling=reference["ceiling"], control=record["control"])
+                    single=reference["single"], ceiling=reference["ceiling"], control=proof["control"])
                 save()
         else:
             clock.say(f"swarm: not run: {swarm_skipped}")
-        measure_compiled(record, args, artifacts, clock)
+        measure_compiled(proof, args, artifacts, clock)
     except ProofStopped as e:  # in a batch search, speed or ceiling run; a swarm records it as that variant's error
         clock.say(str(e))
-    record["finished"] = not clock.stopped
+    proof["finished"] = not clock.stopped
     page = save()
-    clock.say(f"wrote {page}, {record_path} and the raw files in {artifacts}/")
+    clock.say(f"wrote {page}, {result_path} and the raw files in {artifacts}/")
     return 143 if clock.stopped else 0
 
 
@@ -325,7 +325,7 @@ def describe_environment(commit: Optional[str]) -> dict:
     import torch
 
     from benchmarks.gpu_usage import nvml_gpus
-    from hivetrain.records import cpu_name
+    from hivetrain.run_result import cpu_name
 
     gpus, driver = nvml_gpus()
     try:
@@ -433,11 +433,11 @@ def measure_speed(precision: str, batch: int, devices: int, args: argparse.Names
     return result
 
 
-def measure_reference(record: dict, args: argparse.Namespace, artifacts: Path, clock: Clock, save) -> None:
-    """The single process and the pure-compute ceiling at the swarm's batch and precision, into record["reference"]:
+def measure_reference(proof: dict, args: argparse.Namespace, artifacts: Path, clock: Clock, save) -> None:
+    """The single process and the pure-compute ceiling at the swarm's batch and precision, into proof["reference"]:
     the single process is the speed run above when one ran at that batch and precision, else measured here."""
-    reference = record["reference"]
-    same = next((entry["single"] for entry in record["precisions"] if entry["precision"] == SWARM_PRECISION
+    reference = proof["reference"]
+    same = next((entry["single"] for entry in proof["precisions"] if entry["precision"] == SWARM_PRECISION
                  and not entry["single"].get("error") and entry["single"]["batch_size"] == args.swarm_batch), None)
     if same is not None:
         reference.update(single=same, single_from=f"the {SWARM_PRECISION} single-GPU speed run above")
@@ -455,15 +455,15 @@ def measure_reference(record: dict, args: argparse.Namespace, artifacts: Path, c
     save()
 
 
-def measure_compiled(record: dict, args: argparse.Namespace, artifacts: Path, clock: Clock) -> None:
+def measure_compiled(proof: dict, args: argparse.Namespace, artifacts: Path, clock: Clock) -> None:
     """The single process with torch.compile (gpu_speed --compile) at the swarm's batch and precision, compilation in
     its untimed warm-up and no validation pass, held against the reference's eager single process, into
-    record["compiled"]; skipped by --no-compile-run or a spent budget, and stopped COMPILE_OVERRUN_S after the
+    proof["compiled"]; skipped by --no-compile-run or a spent budget, and stopped COMPILE_OVERRUN_S after the
     budget ends (a compilation can take minutes: the proof's total stays within the budget and a little)."""
     if (skipped := why_skipped(args.no_compile_run, "--no-compile-run", clock)) is not None:
-        record["compiled"] = dict(error=skipped)
+        proof["compiled"] = dict(error=skipped)
     else:
-        record["compiled"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first
+        proof["compiled"] = dict(error=STOPPED_WHILE_RUNNING)  # replaced by its result unless SIGTERM comes first
         warmup = max(args.warmup_steps, COMPILE_WARMUP_STEPS)
         clock.say(f"compiled, {SWARM_PRECISION}: one process with torch.compile at batch {args.swarm_batch};"
                   f" compilation in its {warmup} untimed warm-up steps")
@@ -471,13 +471,13 @@ def measure_compiled(record: dict, args: argparse.Namespace, artifacts: Path, cl
                                  label=f"compiled-{SWARM_PRECISION}",
                                  timeout=min(COMPILE_TIMEOUT_S, clock.left_s() + COMPILE_OVERRUN_S),
                                  options=("--compile", "--val-samples", "0", "--warmup-steps", str(warmup)))
-        record["compiled"] = dict(compiled, **compile_figures(compiled, record["reference"]["single"]))
-        ratio, target = record["compiled"]["ratio_to_eager"], record["compiled"]["ratio_target"]
+        proof["compiled"] = dict(compiled, **compile_figures(compiled, proof["reference"]["single"]))
+        ratio, target = proof["compiled"]["ratio_to_eager"], proof["compiled"]["ratio_target"]
         if ratio is not None:
             clock.say(f"compiled: {ratio:.3f} of the eager process's samples/s (target {target:g}); the first step,"
                       f" with compilation, took {compiled['first_step_seconds']:.0f} s")
         return
-    clock.say(f"compiled: {record['compiled']['error']}")
+    clock.say(f"compiled: {proof['compiled']['error']}")
 
 
 if __name__ == "__main__":

@@ -110,9 +110,9 @@ def peer_args(minutes: float, batch: int) -> list[str]:
             "--precision", SWARM_PRECISION]
 
 
-def new_swarm_record(variants: list[str], minutes: float, batch: int, inner_steps: int,
+def new_swarm_result(variants: list[str], minutes: float, batch: int, inner_steps: int,
                      skipped: Optional[str]) -> dict:
-    """The record's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.harness
+    """The result's swarm before any variant ran: what it will run (the commands as run_swarm of benchmarks.harness
     starts them, less their --identity, --log-dir and --name in a scratch folder) and the ratio it aims at.
 
     Args:

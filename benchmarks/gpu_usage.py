@@ -83,7 +83,7 @@ class NvmlSeries(PeriodicSampler):
 
             pynvml.nvmlInit()
             self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception as e:  # no driver library, old driver: the record says why the series is empty
+        except Exception as e:  # no driver library, old driver: the result says why the series is empty
             self.error = f"NVML: {type(e).__name__}: {e}"
             return False
         self.samples.extend(self.sample())

@@ -3,7 +3,7 @@
 stop it; and a whole swarm of them (run_swarm), with what the suites read of it afterwards. No role imports this.
 
 Figures come from what the roles write for programs: their events (`--events FILE`, hivetrain.events), the
-coordinator's metrics store, and run records. Their console lines are for people; tests may check the wording.
+coordinator's metrics store, and run results. Their console lines are for people; tests may check the wording.
 """
 
 from __future__ import annotations
@@ -208,18 +208,18 @@ class Process:
 
 
 def run_baseline(work: Path, name: str, options: list[str], preset: str = "demo") -> dict:
-    """One baselines/run.py run of `preset` with its output in `work/<name>.log`; returns its run record."""
-    records = work / f"{name}-records"
-    shutil.rmtree(records, ignore_errors=True)  # an earlier run's record is not this one's
+    """One baselines/run.py run of `preset` with its output in `work/<name>.log`; returns its run result."""
+    results = work / f"{name}-results"
+    shutil.rmtree(results, ignore_errors=True)  # an earlier run's result is not this one's
     log = work / f"{name}.log"
     with log.open("w") as out:
         finished = subprocess.run([sys.executable, "baselines/run.py", "--preset", preset, "--progress-bar", "off",
-                                   "--out-dir", str(work / name), "--record-dir", str(records), *options], cwd=ROOT,
+                                   "--out-dir", str(work / name), "--result-dir", str(results), *options], cwd=ROOT,
                                   stdout=out, stderr=subprocess.STDOUT)
     if finished.returncode != 0:
         raise RuntimeError(f"baseline {name} failed (exit code {finished.returncode}); see {log}")
-    [record] = records.glob("*.json")
-    return json.loads(record.read_text())
+    [result] = results.glob("*.json")
+    return json.loads(result.read_text())
 
 
 def start_coordinator(work: Path, name: str, options: list[str], preset: str = "demo", host: str = "127.0.0.1",

@@ -101,7 +101,7 @@ def join_run(work: Path, preset: str, joiners: int) -> dict:
 
 
 def _cpu(joiner: dict) -> str:
-    """A joiner's CPU seconds to its first step, in a table cell; records from before they were measured have none."""
+    """A joiner's CPU seconds to its first step, in a table cell; results from before they were measured have none."""
     return f" {joiner['first_step_cpu_s']:.1f} |" if "first_step_cpu_s" in joiner else ""
 
 

@@ -49,12 +49,12 @@ class LinkCounter(PeriodicSampler):
 
 
 def links_ddp(work: Path, network, name: str, steps: int) -> dict:
-    """DDP over the link: node 0 (one process) in namespace a, node 1 in b, gloo on the veth; its run record."""
-    records = work / f"{name}-records"
+    """DDP over the link: node 0 (one process) in namespace a, node 1 in b, gloo on the veth; its run result."""
+    results = work / f"{name}-results"
     common = ["baselines/run.py", "--strategy", "ddp", "--num-nodes", "2", "--devices", "1", "--threads", "1",
               "--preset", THROUGHPUT_PRESET, "--batch-size", "32", "--epochs", "1000", "--max-steps", str(steps),
-              "--val-limit", "0", "--progress-bar", "off", "--out-dir", str(work / name), "--record-dir",
-              str(records)]
+              "--val-limit", "0", "--progress-bar", "off", "--out-dir", str(work / name), "--result-dir",
+              str(results)]
     nodes = [Process(common, work / f"{name}-node{rank}.log", prefix=network.exec_prefix(side),
                      env=dict(MASTER_ADDR=network.a_ip, MASTER_PORT="29533", NODE_RANK=str(rank),
                               GLOO_SOCKET_IFNAME=network.a_link if side == "a" else network.b_link))
@@ -66,8 +66,8 @@ def links_ddp(work: Path, network, name: str, steps: int) -> dict:
     finally:
         for node in nodes:
             node.stop()
-    [record] = records.glob("*.json")
-    return json.loads(record.read_text())
+    [result] = results.glob("*.json")
+    return json.loads(result.read_text())
 
 
 def links_suite(work: Path, smoke: bool) -> dict:
@@ -122,7 +122,7 @@ def links_suite(work: Path, smoke: bool) -> dict:
 
 
 def links_section(result: dict, env: dict, out: Path) -> str:
-    # records from before the overlapped variant have no diloco-overlapped run: its columns stay empty there
+    # results from before the overlapped variant have no diloco-overlapped run: its columns stay empty there
     runs = [kind for kind in LINK_RUNS if any(kind in r for r in result["results"])]
     rows = "".join(
         f"| {r['rate_mbit']} Mbit/s | " + " | ".join(
@@ -156,7 +156,7 @@ def links_section(result: dict, env: dict, out: Path) -> str:
         + (", and again with its rounds overlapped with the next inner steps (diloco-overlapped, `--overlap-rounds`)"
            if "diloco-overlapped" in runs else "") + "."
         " Samples/s: for the swarms, each peer's samples over its training time (from its first step to leaving,"
-        " rounds and state downloads included), summed over the peers; for DDP, from its run record (training"
+        " rounds and state downloads included), summed over the peers; for DDP, from its run result (training"
         " time). Bytes per sample: what crossed the link in both directions, over the samples trained; for the"
         " swarms from the moment both peers held the swarm's state to the last one's leaving, for DDP over the whole"
         " run (its start-up broadcast of the parameters included). Each swarm trains"

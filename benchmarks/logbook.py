@@ -1,12 +1,12 @@
-"""The logbook: Markdown pages with tables and plots rendered from run records.
+"""The logbook: Markdown pages with tables and plots rendered from run results.
 
-    python -m benchmarks.logbook build [--records logbook/records ...] [--out logbook] [--experiment demo]
+    python -m benchmarks.logbook build [--results logbook/results ...] [--out logbook] [--experiment demo]
 
-Every record (one JSON file per run, see hivetrain.records) belongs to an experiment (by default its preset). Each
+Every result (one JSON file per run, see hivetrain.run_result) belongs to an experiment (by default its preset). Each
 experiment gets `<out>/<experiment>-baselines.md`: a side-by-side table of single / DP / DDP / FSDP / pipeline /
 swarm, a
 table per strategy, validation loss and top-1 against wall time and utilisation against time as PNG files next to
-the page, the commands that produced every record, and the TensorBoard command. A malformed record stops the build
+the page, the commands that produced every result, and the TensorBoard command. A malformed result stops the build
 with the file and the field named.
 """
 
@@ -23,7 +23,7 @@ from statistics import mean
 from typing import Optional
 
 from hivetrain.formatting import fmt_bytes, fmt_pct, fmt_percent, fmt_seconds
-from hivetrain.records import STRATEGIES, RunRecord, read_record
+from hivetrain.run_result import STRATEGIES, RunResult, read_result
 
 STRATEGY_TITLES = {"single": "Single device", "dp": "DataParallel", "ddp": "DDP", "fsdp": "FSDP",
                    "pipeline": "Pipeline", "swarm": "Swarm"}
@@ -32,40 +32,40 @@ PAGE_SUFFIX = "-baselines"  # logbook/<preset>.md is the swarm demo's own page (
 
 @dataclass
 class Loaded:
-    record: RunRecord
+    result: RunResult
     path: Path
 
 
-def load_records(directories: list[Path]) -> list[Loaded]:
+def load_results(directories: list[Path]) -> list[Loaded]:
     loaded = []
     for directory in directories:
         if not directory.is_dir():
-            raise ValueError(f"--records {directory}: no such directory")
+            raise ValueError(f"--results {directory}: no such directory")
         for path in sorted(directory.glob("*.json")):
-            loaded.append(Loaded(read_record(path), path))  # raises ValueError naming file and field
+            loaded.append(Loaded(read_result(path), path))  # raises ValueError naming file and field
     names: dict[str, Path] = {}
     for item in loaded:
-        if item.record.name in names:
-            raise ValueError(f"{item.path}: record name {item.record.name!r} also in {names[item.record.name]}")
-        names[item.record.name] = item.path
+        if item.result.name in names:
+            raise ValueError(f"{item.path}: result name {item.result.name!r} also in {names[item.result.name]}")
+        names[item.result.name] = item.path
     return loaded
 
 
 # --- measures --------------------------------------------------------------------------------------------------
 
 
-def cpu_mean(r: RunRecord) -> Optional[float]:
+def cpu_mean(r: RunResult) -> Optional[float]:
     """Mean CPU % of the training processes (100 = one core), over all ranks' samples."""
     values = [s.cpu_percent for s in r.utilisation]
     return mean(values) if values else None
 
 
-def gpu_mean(r: RunRecord) -> Optional[float]:
+def gpu_mean(r: RunResult) -> Optional[float]:
     values = [s.gpu_util_percent for s in r.utilisation if s.gpu_util_percent is not None]
     return mean(values) if values else None
 
 
-def other_load(r: RunRecord) -> Optional[float]:
+def other_load(r: RunResult) -> Optional[float]:
     """CPU cores busy with other programs while the run trained (the machine's CPU minus our processes'), averaged
     over the seconds where every rank sampled: a shared machine makes speed numbers noisy, and this shows how much.
     Only for runs whose ranks share one machine."""
@@ -81,7 +81,7 @@ def other_load(r: RunRecord) -> Optional[float]:
     return mean(others) if others else None
 
 
-def layout(r: RunRecord) -> str:
+def layout(r: RunResult) -> str:
     if r.strategy == "swarm":
         return f"{r.world_size} peers"
     if r.strategy == "dp":
@@ -93,11 +93,11 @@ def layout(r: RunRecord) -> str:
     return f"{stages}{r.num_nodes} node{'s' * (r.num_nodes > 1)} × {n} {unit}"
 
 
-def batch_text(r: RunRecord) -> str:
+def batch_text(r: RunResult) -> str:
     return f"{r.batch_size}{' (auto)' if r.batch_size_auto else ''}"
 
 
-def stage_memory(r: RunRecord) -> str:
+def stage_memory(r: RunResult) -> str:
     """Each pipeline stage's peak memory (GPU allocated on GPUs, else RSS); '–' for other strategies."""
     if r.pipeline is None:
         return "–"
@@ -105,7 +105,7 @@ def stage_memory(r: RunRecord) -> str:
                      for m in r.memory)
 
 
-def parameters_held(r: RunRecord) -> str:
+def parameters_held(r: RunResult) -> str:
     if r.sharding is None:
         return "all"
     held = r.sharding.per_rank_param_bytes
@@ -113,7 +113,7 @@ def parameters_held(r: RunRecord) -> str:
     return f"{each} of {fmt_bytes(r.sharding.total_param_bytes)}"
 
 
-def checkpoint_text(r: RunRecord) -> str:
+def checkpoint_text(r: RunResult) -> str:
     return f"`{r.best_checkpoint}`" if r.best_checkpoint else "–"
 
 
@@ -126,13 +126,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 # --- the page --------------------------------------------------------------------------------------------------
 
 
-def side_by_side(records: list[RunRecord]) -> list[str]:
-    """The latest record of each strategy, one column each; the swarm column says so when there is no record."""
-    latest: dict[str, RunRecord] = {}
-    for r in sorted(records, key=lambda r: r.started_at):
+def side_by_side(results: list[RunResult]) -> list[str]:
+    """The latest result of each strategy, one column each; the swarm column says so when there is no result."""
+    latest: dict[str, RunResult] = {}
+    for r in sorted(results, key=lambda r: r.started_at):
         latest[r.strategy] = r
     columns = [s for s in STRATEGIES if s in latest or s in ("single", "ddp", "fsdp", "swarm")]
-    missing = "no record yet"
+    missing = "no result yet"
 
     def row(label: str, value) -> list[str]:
         return [label] + [value(latest[s]) if s in latest else missing for s in columns]
@@ -162,8 +162,8 @@ def side_by_side(records: list[RunRecord]) -> list[str]:
     ]
     lines = _table([""] + [STRATEGY_TITLES[s] for s in columns], rows)
     if "swarm" not in latest:
-        lines += ["", "No swarm record for this experiment yet: the swarm column fills in once a swarm run writes a"
-                      " record (hivetrain.records) into the records folder."]
+        lines += ["", "No swarm result for this experiment yet: the swarm column fills in once a swarm run writes a"
+                      " result (hivetrain.run_result) into the results folder."]
     return lines
 
 
@@ -171,7 +171,7 @@ def strategy_section(strategy: str, items: list[Loaded], out: Path) -> list[str]
     lines = [f"## {STRATEGY_TITLES[strategy]}", ""]
     rows = []
     for item in items:
-        r = item.record
+        r = item.result
         cpu, gpu = cpu_mean(r), gpu_mean(r)
         rows.append([
             f"[`{r.name}`]({os.path.relpath(item.path, out)})", layout(r), r.precision, batch_text(r),
@@ -185,7 +185,7 @@ def strategy_section(strategy: str, items: list[Loaded], out: Path) -> list[str]
                      "top-1", "top-5", "wall time", "samples/s", "peak RSS/rank", "peak GPU/rank", "CPU/process",
                      "GPU util", "best checkpoint"], rows)
     for item in items:
-        r = item.record
+        r = item.result
         lines += ["", f"`{r.name}`: validation per epoch", ""]
         if r.validation:
             lines += _table(["epoch", "step", "wall time", "loss", "top-1", "top-5"], [
@@ -220,13 +220,13 @@ def strategy_section(strategy: str, items: list[Loaded], out: Path) -> list[str]
     return lines + [""]
 
 
-def plot_metrics(records: list[RunRecord], path: Path) -> bool:
+def plot_metrics(results: list[RunResult], path: Path) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with_val = [r for r in records if r.validation]
+    with_val = [r for r in results if r.validation]
     if not with_val:
         return False
     fig, (loss_ax, top1_ax) = plt.subplots(1, 2, figsize=(11, 4))
@@ -246,13 +246,13 @@ def plot_metrics(records: list[RunRecord], path: Path) -> bool:
     return True
 
 
-def plot_utilisation(records: list[RunRecord], path: Path) -> bool:
+def plot_utilisation(results: list[RunResult], path: Path) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sampled = [r for r in records if r.utilisation]
+    sampled = [r for r in results if r.utilisation]
     if not sampled:
         return False
     with_gpu = any(s.gpu_util_percent is not None for r in sampled for s in r.utilisation)
@@ -287,29 +287,29 @@ def plot_utilisation(records: list[RunRecord], path: Path) -> bool:
     return True
 
 
-def tensorboard_line(records: list[RunRecord]) -> Optional[str]:
-    dirs = [r.tensorboard_dir for r in records if r.tensorboard_dir]
+def tensorboard_line(results: list[RunResult]) -> Optional[str]:
+    dirs = [r.tensorboard_dir for r in results if r.tensorboard_dir]
     if not dirs:
         return None
     # All runs of an experiment log under <out-dir>/tensorboard/<experiment>/<run>: their common parent shows them all.
     try:
         common = os.path.commonpath(dirs) if len(dirs) > 1 else str(Path(dirs[0]).parent)
-    except ValueError:  # absolute and relative paths mixed (records from different machines): name each run
-        spec = ",".join(f"{r.name}:{r.tensorboard_dir}" for r in records if r.tensorboard_dir)
+    except ValueError:  # absolute and relative paths mixed (results from different machines): name each run
+        spec = ",".join(f"{r.name}:{r.tensorboard_dir}" for r in results if r.tensorboard_dir)
         return f"tensorboard --logdir_spec {shlex.quote(spec)}"
     return f"tensorboard --logdir {shlex.quote(common)}"
 
 
 def render_page(experiment: str, items: list[Loaded], out: Path, build_command: str) -> str:
-    records = [i.record for i in items]
+    results = [i.result for i in items]
     stem = f"{experiment}{PAGE_SUFFIX}"
-    presets = sorted({(r.preset, r.fingerprint) for r in records})
-    hardware = sorted({f"{r.device_name} on {r.host}" for r in records})
-    versions = sorted({", ".join(f"{k} {v}" for k, v in r.versions.items()) for r in records})
+    presets = sorted({(r.preset, r.fingerprint) for r in results})
+    hardware = sorted({f"{r.device_name} on {r.host}" for r in results})
+    versions = sorted({", ".join(f"{k} {v}" for k, v in r.versions.items()) for r in results})
     lines = [
         f"# {experiment}: baselines and swarm",
         "",
-        f"Built by `{build_command}` from {len(records)} run record{'s' if len(records) != 1 else ''}"
+        f"Built by `{build_command}` from {len(results)} run result{'s' if len(results) != 1 else ''}"
         f" ({', '.join(sorted({os.path.relpath(i.path.parent, out) + '/' for i in items}))}, one JSON file per run).",
         "Preset " + ", ".join(f"`{p}` (fingerprint `{f}`)" for p, f in presets) + ". Hardware: "
         + "; ".join(hardware) + ". Software: " + "; ".join(versions) + ".",
@@ -318,44 +318,44 @@ def render_page(experiment: str, items: list[Loaded], out: Path, build_command: 
         "",
         "The latest run of each strategy on this experiment.",
         "",
-        *side_by_side(records),
+        *side_by_side(results),
         "",
     ]
     metrics_png, util_png = out / f"{stem}-metrics.png", out / f"{stem}-utilisation.png"
     plots = []
-    if plot_metrics(records, metrics_png):
+    if plot_metrics(results, metrics_png):
         plots.append(f"![Validation loss and top-1 against wall time]({metrics_png.name})")
-    if plot_utilisation(records, util_png):
+    if plot_utilisation(results, util_png):
         plots.append(f"![CPU and GPU utilisation against time]({util_png.name})")
     if plots:
         lines += ["## Plots", ""] + [p for plot in plots for p in (plot, "")]
     by_strategy: dict[str, list[Loaded]] = defaultdict(list)
-    for item in sorted(items, key=lambda i: i.record.started_at):
-        by_strategy[item.record.strategy].append(item)
+    for item in sorted(items, key=lambda i: i.result.started_at):
+        by_strategy[item.result.strategy].append(item)
     for strategy in STRATEGIES:
         if strategy in by_strategy:
             lines += strategy_section(strategy, by_strategy[strategy], out)
-    lines += ["## How these records were made", "", "Each record's exact command (run from the repository root):", "",
+    lines += ["## How these results were made", "", "Each result's exact command (run from the repository root):", "",
               "```bash"]
-    lines += [i.record.command for i in sorted(items, key=lambda i: i.record.started_at)]
+    lines += [i.result.command for i in sorted(items, key=lambda i: i.result.started_at)]
     lines += ["```", "", "Then this page:", "", "```bash", build_command, "```", ""]
-    board = tensorboard_line(records)
+    board = tensorboard_line(results)
     if board:
         lines += ["Training curves (loss per step, validation per epoch) in TensorBoard, on the machine that ran them:",
                   "", "```bash", board, "```", ""]
     return "\n".join(lines)
 
 
-def build(record_dirs: list[Path], out: Path, experiment: Optional[str], build_command: str) -> list[Path]:
-    items = load_records(record_dirs)
+def build(result_dirs: list[Path], out: Path, experiment: Optional[str], build_command: str) -> list[Path]:
+    items = load_results(result_dirs)
     if experiment is not None:
-        items = [i for i in items if i.record.experiment == experiment]
+        items = [i for i in items if i.result.experiment == experiment]
     if not items:
-        where = ", ".join(str(d) for d in record_dirs)
-        raise ValueError(f"no run records{f' of experiment {experiment!r}' if experiment else ''} in {where}")
+        where = ", ".join(str(d) for d in result_dirs)
+        raise ValueError(f"no run results{f' of experiment {experiment!r}' if experiment else ''} in {where}")
     groups: dict[str, list[Loaded]] = defaultdict(list)
     for item in items:
-        groups[item.record.experiment].append(item)
+        groups[item.result.experiment].append(item)
     out.mkdir(parents=True, exist_ok=True)
     pages = []
     for name, group in sorted(groups.items()):
@@ -368,22 +368,22 @@ def build(record_dirs: list[Path], out: Path, experiment: Optional[str], build_c
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.logbook",
-        description="Render logbook pages (Markdown + PNG plots) from run records.",
+        description="Render logbook pages (Markdown + PNG plots) from run results.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="render <out>/<experiment>-baselines.md for every experiment in the records",
+    b = sub.add_parser("build", help="render <out>/<experiment>-baselines.md for every experiment in the results",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    b.add_argument("--records", nargs="+", default=["logbook/records"], metavar="DIR",
-                   help="folders of run records (*.json)")
+    b.add_argument("--results", nargs="+", default=["logbook/results"], metavar="DIR",
+                   help="folders of run results (*.json)")
     b.add_argument("--out", default="logbook", help="where pages and plots are written")
     b.add_argument("--experiment", default=None, help="only this experiment (default: every one found)")
     args = parser.parse_args(argv)
-    words = ["--records", *args.records, "--out", args.out]
+    words = ["--results", *args.results, "--out", args.out]
     words += ["--experiment", args.experiment] if args.experiment else []
     command = "python -m benchmarks.logbook build " + shlex.join(words)
     try:
-        pages = build([Path(d) for d in args.records], Path(args.out), args.experiment, command)
+        pages = build([Path(d) for d in args.results], Path(args.out), args.experiment, command)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,20 +1,20 @@
-"""How a benchmark section reports: where the suites' records are kept, the line naming the command that measured
+"""How a benchmark section reports: where the suites' results are kept, the line naming the command that measured
 a section, and each target's verdict."""
 
 from pathlib import Path
 
 from benchmarks.harness import ROOT
 
-# not run records: logbook/records holds only those, which the logbook reads
-RECORDS = ROOT / "logbook" / "bench-records"
+# not run results: logbook/results holds only those, which the logbook reads
+RESULTS = ROOT / "logbook" / "bench-results"
 
 
-def newest_record(suite: str) -> Path:
-    """The newest record of `suite` in RECORDS (their names sort by the time they were written)."""
-    records = sorted(RECORDS.glob(f"bench-{suite}-*.json"))
-    if not records:
-        raise SystemExit(f"no record of {suite} in {RECORDS}: run python -m benchmarks.bench {suite} first")
-    return records[-1]
+def newest_result(suite: str) -> Path:
+    """The newest result of `suite` in RESULTS (their names sort by the time they were written)."""
+    results = sorted(RESULTS.glob(f"bench-{suite}-*.json"))
+    if not results:
+        raise SystemExit(f"no result of {suite} in {RESULTS}: run python -m benchmarks.bench {suite} first")
+    return results[-1]
 
 
 def verdict(met: bool, what: str) -> str:

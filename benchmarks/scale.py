@@ -1,5 +1,5 @@
 """What each peer costs as the swarm grows, and joiner storms (issue 21): the scale suite of benchmarks.bench,
-python -m benchmarks.bench scale [--smoke | --page] (--page: logbook/scale.md again from the newest record).
+python -m benchmarks.bench scale [--smoke | --page] (--page: logbook/scale.md again from the newest result).
 
 One run measures, on loopback with the demo preset (diloco, one torch thread per peer):
 
@@ -16,8 +16,8 @@ One run measures, on loopback with the demo preset (diloco, one torch thread per
   step, and the state downloads each holder answered (`states_served` in the coordinator's look events and in the
   peers' epoch and leaving events).
 
-This module measures; benchmarks.bench writes the record to logbook/bench-records/bench-scale-<time>.json, and the
-page from the record alone to logbook/scale.md: benchmarks.scale_fit fits and extrapolates, benchmarks.scale_page
+This module measures; benchmarks.bench writes the result to logbook/bench-results/bench-scale-<time>.json, and the
+page from the result alone to logbook/scale.md: benchmarks.scale_fit fits and extrapolates, benchmarks.scale_page
 writes the page. Tools that no role imports: this stays in benchmarks/.
 """
 

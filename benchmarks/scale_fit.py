@@ -80,7 +80,7 @@ def fit_costs(costs: list[dict], publishers: list[dict]) -> CostFits:
     """Fit each cost the page extrapolates, from the runs that measure it best.
 
     Args:
-        costs: the record's swarms of training peers.
+        costs: the bench result's swarms of training peers.
         publishers: its runs of lightweight publishers that did not fail.
     """
     whole = [c for c in costs if c["target_group_size"] is None]  # groups as large as the swarm
@@ -127,7 +127,7 @@ def storm_spread(served: dict[str, int]) -> StormSpread:
     """The spread of a storm's downloads.
 
     Args:
-        served: the downloads each holder answered during the storm (the record's storm["served"]).
+        served: the downloads each holder answered during the storm (the bench result's storm["served"]).
     """
     downloads = sum(served.values())
     busiest = max(served, key=served.get)
@@ -148,7 +148,7 @@ def mission_model(models: dict) -> tuple[str, dict]:
     """The preset a real run uses (the one that is not the demo's), and its model's sizes.
 
     Args:
-        models: the record's state_sizes(), by preset.
+        models: the bench result's state_sizes(), by preset.
     """
     name = next(k for k in models if k != "demo")
     return name, models[name]
@@ -171,7 +171,7 @@ def scale_limits(fits: CostFits, spread: StormSpread, models: dict) -> dict[str,
     Args:
         fits: the fitted costs.
         spread: how the storm's downloads spread.
-        models: the record's state_sizes(), by preset.
+        models: the bench result's state_sizes(), by preset.
     """
     lines, demo, (_, mission) = fits.lines, models["demo"], mission_model(models)
     # the busiest holder's share of a storm of JOIN_FRACTION x N joiners, on its uplink with the mission's state

@@ -1,8 +1,8 @@
 """The scale suite's page, logbook/scale.md (issue 21): what benchmarks.scale measured, and the fits and
 extrapolation benchmarks.scale_fit makes of it, one function per section of the page.
 
-benchmarks.bench renders it with scale_page from a record alone, after a run or with
-python -m benchmarks.bench scale --page (from the newest record). Tools that no role imports: this stays in
+benchmarks.bench renders it with scale_page from a bench result alone, after a run or with
+python -m benchmarks.bench scale --page (from the newest result). Tools that no role imports: this stays in
 benchmarks/.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from benchmarks.relay import GIGABIT_BYTES_S, ROUND_EVERY_S, relay_capacity
 from benchmarks.harness import ROOT
-from benchmarks.report import newest_record
+from benchmarks.report import newest_result
 from benchmarks.scale import PUBLISHERS_WINDOW_S
 from benchmarks.scale_fit import (COORDINATOR_CORES, JOIN_FRACTION, PROGRESS_READ_EVERY_S, PUBLISHERS_LOOK_EVERY_S,
                                   REACHABLE_FRACTION, REFRESH_S, SIZES, STORM_WAIT_S, UPLINK_BYTES_S,
@@ -35,23 +35,23 @@ def header_section(env: dict) -> str:
     """The page's title, and what measured it, where and how (the paragraph under the title).
 
     Args:
-        env: the record's environment, with the command that measured it and the record's path.
+        env: the bench result's environment, with the command that measured it and the result's path.
     """
     return (
         "# Scale: what each peer costs, and joiner storms\n\n"
-        f"Written by `{env['command']}` from the record `{env['record']}`: measured on {env['date']} at commit"
-        f" {env['commit']} ({env['machine']}; Python {env['python']}, torch {env['torch']}, hivemind"
+        f"Written by `{env['command']}` from the bench result `{env['result_file']}`: measured on {env['date']} at"
+        f" commit {env['commit']} ({env['machine']}; Python {env['python']}, torch {env['torch']}, hivemind"
         f" {env['hivemind']}). Measured on a 2-core machine that every peer, the coordinator and the publishers"
         " share: CPU and time figures at the larger N measure the machine as much as the swarm."
         " All traffic is on loopback. `python -m benchmarks.bench scale --page` rebuilds this page from the newest"
-        " record (and the relay suite's newest, for the last section).\n\n")
+        " result (and the relay suite's newest, for the last section).\n\n")
 
 
 def swarms_section(result: dict) -> str:
     """The section "Measured: swarms of training peers": each swarm's costs, a row per swarm.
 
     Args:
-        result: the record's result.
+        result: the bench result's `result`.
     """
     costs, demo = result["costs"], result["models"]["demo"]
     validating = ("validates every epoch" if costs[0]["validating"] else "only monitors (a look every 10 s)")
@@ -91,7 +91,7 @@ def publishers_section(publishers: list[dict]) -> str:
     failed.
 
     Args:
-        publishers: the record's runs of publishers, failed ones (with an `error`) included.
+        publishers: the bench result's runs of publishers, failed ones (with an `error`) included.
     """
     publisher_rows = "".join(
         f"| {p['publishers']} | {p['look_median_s']:.3f} | {p['look_max_s']:.3f} | {p['counted_median']:.0f} |"
@@ -114,7 +114,7 @@ def storm_section(storm: dict, spread: StormSpread) -> str:
     answered, and why they spread as they did.
 
     Args:
-        storm: the record's storm run.
+        storm: the bench result's storm run.
         spread: how its downloads spread.
     """
     storm_rows = "".join(
@@ -205,7 +205,7 @@ def extrapolation_section(models: dict, fits: CostFits, spread: StormSpread, lim
     """The section "Extrapolated to 100, 1,000 and 10,000 peers": its assumptions, and a row of costs per size.
 
     Args:
-        models: the record's state_sizes(), by preset.
+        models: the bench result's state_sizes(), by preset.
         fits: the fitted costs.
         spread: how the storm's downloads spread.
         limits: scale_limits().
@@ -265,14 +265,14 @@ def limits_section(limits: dict[str, Limit]) -> str:
 
 
 def relay_cost_section(path: Path) -> str:
-    """The section "The coordinator as a relay": the relay suite's record at `path` (benchmarks.relay), what it
+    """The section "The coordinator as a relay": the relay suite's bench result at `path` (benchmarks.relay), what it
     measured and how many unreachable trainers one coordinator serves at the mission's model.
 
     Args:
-        path: a record of the relay suite (the newest, on the committed page).
+        path: a bench result of the relay suite (the newest, on the committed page).
     """
-    record = json.loads(path.read_text())
-    env, result = record["environment"], record["result"]
+    bench_result = json.loads(path.read_text())
+    env, result = bench_result["environment"], bench_result["result"]
     capacity = relay_capacity(result)
     rows = "".join(f"| `{r['preset']}` | {r.get('mode', 'diloco')} | {r['parameters']:,} | {r['trainers']} |"
                    f" {r['bytes_per_round'] / r['trainers'] / 1e6:.1f} | {r['seconds_median']:.2f} |"
@@ -288,8 +288,8 @@ def relay_cost_section(path: Path) -> str:
                   f" {GIGABIT_BYTES_S * 8 / 1e9:.0f} Gbit/s each way with {capacity.trainers_per_gigabit:.0f}")
     return (
         "## The coordinator as a relay for unreachable peers\n\n"
-        f"From the relay suite's record `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`"
-        f" (`{record['command']}` on"
+        f"From the relay suite's result `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`"
+        f" (`{bench_result['command']}` on"
         f" {env['date']}, commit {env['commit']}): each trainer behind a NAT of its own, so that the coordinator leads"
         " every round as an auxiliary peer and every trainer's copy goes through it, in and back. Per trainer and"
         " round, medians over the rounds relayed with every trainer:\n\n"
@@ -305,11 +305,11 @@ def relay_cost_section(path: Path) -> str:
 
 
 def scale_page(result: dict, env: dict, out: Path) -> str:
-    """The whole of logbook/scale.md from a record's result: benchmarks.bench's renderer for the scale suite.
+    """The whole of logbook/scale.md from a bench result's `result`: benchmarks.bench's renderer for the scale suite.
 
     Args:
-        result: the record's result (benchmarks.scale.scale_suite's).
-        env: the record's environment, with the command that measured it and the record's path.
+        result: the bench result's `result` (benchmarks.scale.scale_suite's).
+        env: the bench result's environment, with the command that measured it and the result's path.
         out: the folder for the page's plots (it has none).
     """
     # a publisher run that failed has no figures to fit: the publishers' section names it
@@ -320,4 +320,4 @@ def scale_page(result: dict, env: dict, out: Path) -> str:
     return (header_section(env) + swarms_section(result) + publishers_section(result["publishers"])
             + storm_section(result["storm"], spread) + fits_section(fits)
             + extrapolation_section(result["models"], fits, spread, limits) + limits_section(limits)
-            + "\n" + relay_cost_section(newest_record("relay")))
+            + "\n" + relay_cost_section(newest_result("relay")))

@@ -104,7 +104,7 @@ def throughput_section(result: dict, env: dict, out: Path) -> str:
         " step, on equal hardware: two processes with one torch thread each for DDP (gloo) and for the swarm's two"
         " peers (plus the coordinator, which only bootstraps and monitors here), one process with two threads for"
         " single. The swarm's samples/s are summed over its peers' own counts between the moment both trained and"
-        " the first one's last swarm epoch (their epoch events); the baselines' come from their run records"
+        " the first one's last swarm epoch (their epoch events); the baselines' come from their run results"
         f" (training time, start-up excluded). DDP ran {ddp_when}. Time"
         " in swarm rounds: each peer's share of its training wall time spent in the steps that end a swarm epoch"
         " (sync: finding a group, gradient all-reduce, optimizer step, state averaging; diloco: the outer round) and"

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY_EXPORTS:
-        # also how `from hivetrain import records` finds that a submodule is meant and imports it
+        # also how `from hivetrain import run_result` finds that a submodule is meant and imports it
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this function

@@ -9,7 +9,7 @@ stays within it); on a CPU when the trial's peak RSS stays within the budget. Th
 until a trial fails, then bisects until the gap is within `tolerance` of the size.
 
 What a trial does not hold: Lightning's Trainer, DataLoader batches in flight (and their workers), DDP's gradient
-buckets (about one more copy of the gradients) and hivemind's averager. Records keep the real run's peak memory.
+buckets (about one more copy of the gradients) and hivemind's averager. Run results keep the real run's peak memory.
 
 `choose_peer_batch` is a peer's whole decision (precision, search or not, gradient accumulation); it takes the device
 as a `DeviceInfo` and the trials as a function, so fake memory budgets test it without a GPU.
@@ -221,7 +221,7 @@ class DeviceInfo:
         import torch
 
         from hivetrain.model import cuda_has_native_bf16
-        from hivetrain.records import cpu_name
+        from hivetrain.run_result import cpu_name
 
         if kind != "cuda":
             return cls("cpu", cpu_name(), psutil.virtual_memory().total)

@@ -229,15 +229,15 @@ class CheckpointStore:
         return [name for name in old if name != best]
 
 
-def best_record(name: str, top1: float | None) -> bytes:
+def best_marker(name: str, top1: float | None) -> bytes:
     """The contents of a store's best marker (BEST), naming checkpoint `name`."""
     return json.dumps(dict(name=name, epoch=epoch_of(name), top1=top1, time=time.time())).encode()
 
 
-def best_name(record: bytes | None, where: str) -> str | None:
+def best_name(marker: bytes | None, where: str) -> str | None:
     """The checkpoint a best marker names, or None (no marker; an unreadable one is ignored with a warning)."""
     try:
-        return json.loads(record)["name"] if record is not None else None
+        return json.loads(marker)["name"] if marker is not None else None
     except (ValueError, KeyError, TypeError) as e:
         logger.warning(f"Ignoring an unreadable {where}: {e}")
         return None
@@ -252,7 +252,7 @@ class LocalCheckpointStore(CheckpointStore):
     def save(self, checkpoint: Checkpoint, best: bool = False) -> str:
         path = write_checkpoint(checkpoint, self.root / checkpoint_name(checkpoint.epoch))
         if best:
-            atomic_write(self.root / BEST, best_record(path.name, checkpoint.metrics.get("top1")))
+            atomic_write(self.root / BEST, best_marker(path.name, checkpoint.metrics.get("top1")))
         for name in self._to_delete([p.name for p in self._paths()], self._best()):
             (self.root / name).unlink(missing_ok=True)
         return str(path)

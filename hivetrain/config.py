@@ -181,7 +181,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         raw = dataclasses.asdict(self)
         # Settings added after runs were recorded are left out while they hold the value that means "as before", so
-        # that the fingerprints of those runs, their checkpoints and records stay what they were.
+        # that the fingerprints of those runs, their checkpoints, run records (DHT) and run results stay what they
+        # were.
         for name, before in SETTINGS_ADDED_LATER["swarm"].items():
             if raw["swarm"][name] == before:
                 del raw["swarm"][name]
@@ -200,7 +201,7 @@ class RunConfig:
                 model=ModelConfig(**raw["model"]),
                 data=DataConfig(**raw["data"]),
                 optim=OptimConfig(**optim),
-                # a setting the record predates holds the value that means "as before"
+                # a setting the stored config predates holds the value that means "as before"
                 swarm=SwarmConfig(**{**SETTINGS_ADDED_LATER["swarm"], **raw["swarm"]}),
             )
         except (KeyError, TypeError) as e:

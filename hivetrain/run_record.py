@@ -42,7 +42,7 @@ TRUST_ANY_FLAG = "--any-coordinator"  # peers/join.py's flag that takes an unpin
 
 class RunManifest(BaseModel):
     """The coordinator's manifest of its run, signed, under RUN_KEY (the logbook's JSON of a finished run is
-    hivetrain.records.RunRecord)."""
+    hivetrain.run_result.RunResult)."""
 
     run_id: StrictStr
     config: StrictStr  # RunConfig as JSON

@@ -22,7 +22,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from hivetrain.checkpoint import (BEST, NAME_RE, Checkpoint, CheckpointEntry, CheckpointError, CheckpointNotFound,
-                                  CheckpointStore, best_name, best_record, checkpoint_name, epoch_of, peek_metrics,
+                                  CheckpointStore, best_name, best_marker, checkpoint_name, epoch_of, peek_metrics,
                                   read_checkpoint, write_checkpoint)
 from hivetrain.files import atomic_write
 
@@ -158,7 +158,7 @@ class S3CheckpointStore(CheckpointStore):
                 Metadata=metadata, ChecksumAlgorithm="CRC32", ContentType="application/x-tar"))
             if self._marker(path).exists():
                 self._s3.put_object(Bucket=self.bucket, Key=self._key(BEST), ContentType="application/json",
-                                    Body=best_record(path.name, metrics.get("top1")), ChecksumAlgorithm="CRC32")
+                                    Body=best_marker(path.name, metrics.get("top1")), ChecksumAlgorithm="CRC32")
             for name in self._to_delete(list(self._objects()), self._best()):
                 self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
             after = path.stat()

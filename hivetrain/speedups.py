@@ -1,5 +1,5 @@
 """What keeps a volunteer's GPU busy in the inner loop, decided in one place from the device and precision, so that
-every role turns on the same things and every run record and peer event says which were on.
+every role turns on the same things and every run result and peer event says which were on.
 
 - tf32: fp32 matmuls on TensorFloat-32 tensor cores (CUDA cards of compute capability 8.0 and up, precision 32 only;
   the mixed precisions already compute in bf16/fp16).
@@ -36,7 +36,7 @@ def inner_loop_speedups(device_type: str, precision: str, compile: bool = False,
             torch when device_type is "cuda".
 
     Returns:
-        {"tf32": bool, "fused_adamw": bool, "pinned_memory": bool, "compile": bool}, as run records and events carry it.
+        {"tf32": bool, "fused_adamw": bool, "pinned_memory": bool, "compile": bool}, as run results and events carry it.
     """
     cuda = device_type == "cuda"
     if cuda and cuda_capability is None:

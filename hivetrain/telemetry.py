@@ -175,7 +175,7 @@ def describe_hardware(device: str) -> str:
     import psutil
     import torch
 
-    from hivetrain.records import cpu_name
+    from hivetrain.run_result import cpu_name
 
     if device == "cuda" and torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(torch.cuda.current_device())

@@ -78,7 +78,7 @@ class PeerSampler(PeriodicSampler):
         return True
 
     def sample(self) -> list:
-        from hivetrain.records import UtilisationSample
+        from hivetrain.run_result import UtilisationSample
 
         system, samples = self.psutil.cpu_percent(None), []
         for rank, pid in enumerate(self.pids):
@@ -140,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                              " logbook/demo.md)")
     parser.add_argument("--dashboard-port", type=int, default=8501,
                         help="where the dashboard serves on 127.0.0.1 (default: %(default)s; a free one when busy)")
-    parser.add_argument("--record-dir", default=None,
-                        help="where the swarm's run record goes ('' for none; default: <workdir>/records; with"
-                             " --publish, logbook/records); the demo's baselines page is rebuilt beside its page from"
-                             " that folder and the committed baseline records in logbook/records")
+    parser.add_argument("--result-dir", default=None,
+                        help="where the swarm's run result goes ('' for none; default: <workdir>/results; with"
+                             " --publish, logbook/results); the demo's baselines page is rebuilt beside its page from"
+                             " that folder and the committed baseline results in logbook/results")
     parser.add_argument("--publish", action="store_true",
-                        help="write the page and the run record into the repository's logbook/ (make logbook): the"
+                        help="write the page and the run result into the repository's logbook/ (make logbook): the"
                              " committed logbook changes only when asked")
     args = parser.parse_args(argv)
     if (args.inner_steps is not None and args.inner_steps < 1) or (args.epochs is not None and args.epochs < 1):
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         args.epochs = args.epochs or -(-schedule_samples // epoch_samples)
     logbook = ROOT / "logbook" if args.publish else Path(args.workdir) / "logbook"
     args.logbook = args.logbook or str(logbook / "demo.md")
-    if args.record_dir is None:
-        args.record_dir = str(logbook / "records")
+    if args.result_dir is None:
+        args.result_dir = str(logbook / "results")
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     for previous in ("metrics.sqlite", "metrics.sqlite-wal", "metrics.sqlite-shm", "checkpoints", "tensorboard"):
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     print(f"DDP on this machine for reference (2 processes, one thread each, {preset.batch_size} samples per step"
           f" each, as the peers)...", flush=True)
-    try:  # its run record stays in the workdir (the logbook's baselines come from `baselines/run.py` runs)
+    try:  # its run result stays in the workdir (the logbook's baselines come from `baselines/run.py` runs)
         ddp = run_baseline(workdir, "ddp-reference", [
             "--strategy", "ddp", "--devices", "2", "--threads", "1", "--batch-size", str(preset.batch_size),
             "--epochs", "1000", "--max-steps", str(DDP_REFERENCE_STEPS), "--val-limit", "0"])["samples_per_s"]
@@ -234,17 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     result["ddp_samples_per_s"] = ddp
     (workdir / "result.json").write_text(json.dumps(result, indent=2))
     _write_logbook(Path(args.logbook), result)
-    if args.record_dir:
-        record = _write_record(Path(args.record_dir), workdir, result, sampler, started_at,
-                               " ".join(["python", *sys.argv]))
+    if args.result_dir:
+        result_path = _write_run_result(Path(args.result_dir), workdir, result, sampler, started_at,
+                                        " ".join(["python", *sys.argv]))
         from benchmarks.logbook import build
 
         # The committed baselines of the preset beside this run (the same folder when publishing).
-        folders = list(dict.fromkeys([ROOT / "logbook" / "records", Path(args.record_dir).resolve()]))
-        records, out = " ".join(_shown(folder) for folder in folders), _shown(Path(args.logbook).parent)
+        folders = list(dict.fromkeys([ROOT / "logbook" / "results", Path(args.result_dir).resolve()]))
+        results, out = " ".join(_shown(folder) for folder in folders), _shown(Path(args.logbook).parent)
         pages = build(folders, Path(args.logbook).parent, "demo",
-                      f"python -m benchmarks.logbook build --records {records} --out {out}")
-        print(f"Swarm run record: {record}; logbook pages: {', '.join(map(str, pages))}", flush=True)
+                      f"python -m benchmarks.logbook build --results {results} --out {out}")
+        print(f"Swarm run result: {result_path}; logbook pages: {', '.join(map(str, pages))}", flush=True)
     best = result["best"]
     print(f"\nBest validation on {best['samples']} held-out digits: top-1 {best['top1']:.1%}, top-5"
           f" {best['top5']:.1%}, loss {best['loss']:.3f} at swarm epoch {best['epoch']} (checkpoint"
@@ -327,15 +327,15 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler, started_at: str,
-                  command: str) -> Path:
-    """The demo as a run record of strategy "swarm", so the logbook sets it beside single, DDP and FSDP."""
-    from hivetrain.records import RankMemory, RunRecord, ValidationPoint, cpu_name, software_versions, write_record
+def _write_run_result(result_dir: Path, workdir: Path, r: dict, sampler: PeerSampler, started_at: str,
+                      command: str) -> Path:
+    """The demo as a run result of strategy "swarm", so the logbook sets it beside single, DDP and FSDP."""
+    from hivetrain.run_result import RankMemory, RunResult, ValidationPoint, cpu_name, software_versions, write_result
 
     config = RunConfig.from_dict(r["config"])
     samples, epoch_samples = r["train_samples"], r["epoch_samples"]
     passes = samples // 1437  # digits' training split
-    return write_record(RunRecord(
+    return write_result(RunResult(
         name=f"demo-swarm-{r['peers']}peers-{started_at.replace(':', '').replace('-', '')[:15]}",
         experiment="demo", strategy="swarm", preset="demo", config=config.to_dict(), fingerprint=config.fingerprint,
         command=command, started_at=started_at, host=os.uname().nodename, accelerator="cpu", device_name=cpu_name(),
@@ -357,11 +357,11 @@ def _write_record(record_dir: Path, workdir: Path, r: dict, sampler: PeerSampler
               + (f", rounds paced every {r['round_seconds']:g} s" if r.get("round_seconds")
                  else f", {r['inner_steps']} inner steps per round" if r["mode"] == "diloco" else "")
               + "; peers' memory and CPU include the hivemind processes each started (DHT, averagers, p2pd)",
-    ), record_dir)
+    ), result_dir)
 
 
 def _versions() -> str:
-    from hivetrain.records import software_versions
+    from hivetrain.run_result import software_versions
 
     return ", ".join(f"{name} {version}" for name, version in software_versions().items() if name != "python")
 

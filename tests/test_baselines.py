@@ -1,5 +1,5 @@
 """Centralised baselines on CPU: DDP and FSDP take exactly the step one process takes on their combined batch, FSDP
-really shards the parameters, two simulated nodes train together and write one record, the batch finder respects its
+really shards the parameters, two simulated nodes train together and write one result, the batch finder respects its
 budget, and bad input fails with one clear line."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from hivetrain.batch_size import TrialSpec, find_batch_size, parse_bytes, run_trial
 from hivetrain.config import get_preset
-from hivetrain.records import read_record
+from hivetrain.run_result import read_result
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 16  # per process in the exactness runs; the single-process reference takes 2 * BATCH
@@ -41,8 +41,8 @@ def run(args: list[str], timeout: float = 180, **extra: str) -> subprocess.Compl
                           text=True, timeout=timeout)
 
 
-def records_in(directory: Path) -> list[Path]:
-    return sorted((directory / "records").glob("*.json"))
+def results_in(directory: Path) -> list[Path]:
+    return sorted((directory / "results").glob("*.json"))
 
 
 # --- one optimizer step: DDP and FSDP against one process ---------------------------------------------------------
@@ -87,32 +87,32 @@ def test_ddp_and_fsdp_take_the_single_process_step(one_step):
 
 
 def test_fsdp_shards_parameters_across_ranks(one_step):
-    (path,) = records_in(one_step["fsdp"])
-    record = read_record(path)
-    sharding = record.sharding
-    assert record.strategy == "fsdp" and record.world_size == 2 and sharding is not None
+    (path,) = results_in(one_step["fsdp"])
+    run_result = read_result(path)
+    sharding = run_result.sharding
+    assert run_result.strategy == "fsdp" and run_result.world_size == 2 and sharding is not None
     assert len(sharding.per_rank_param_bytes) == 2
     assert sum(sharding.per_rank_param_bytes) == sharding.total_param_bytes  # shards partition the model
     for local in sharding.per_rank_param_bytes:
         assert abs(local / sharding.total_param_bytes - 0.5) < 0.03
-    (ddp,) = records_in(one_step["ddp"])
-    assert read_record(ddp).sharding is None  # DDP replicates: nothing to report
+    (ddp,) = results_in(one_step["ddp"])
+    assert read_result(ddp).sharding is None  # DDP replicates: nothing to report
 
 
-def test_records_of_the_one_step_runs(one_step):
+def test_results_of_the_one_step_runs(one_step):
     for name, directory in one_step.items():
-        (path,) = records_in(directory)
-        record = read_record(path)
-        assert record.strategy == name and record.steps == 1 and record.train_samples == 2 * BATCH
-        assert record.global_batch_size == 2 * BATCH and len(record.memory) == record.world_size
-        assert all(m.peak_rss_bytes > 100 * 2**20 for m in record.memory)
-        assert record.command.startswith("python baselines/run.py") or "MASTER_PORT=" in record.command
+        (path,) = results_in(directory)
+        run_result = read_result(path)
+        assert run_result.strategy == name and run_result.steps == 1 and run_result.train_samples == 2 * BATCH
+        assert run_result.global_batch_size == 2 * BATCH and len(run_result.memory) == run_result.world_size
+        assert all(m.peak_rss_bytes > 100 * 2**20 for m in run_result.memory)
+        assert run_result.command.startswith("python baselines/run.py") or "MASTER_PORT=" in run_result.command
 
 
 # --- two nodes x two processes on one machine ---------------------------------------------------------------------
 
 
-def test_two_simulated_nodes_train_and_write_one_record(tmp_path):
+def test_two_simulated_nodes_train_and_write_one_result(tmp_path):
     """The ddp_sim recipe: the same command once per node, NODE_RANK 0 and 1, one MASTER_ADDR/MASTER_PORT; Lightning
     starts each node's second process itself."""
     args = [sys.executable, "baselines/run.py", "--strategy", "ddp", "--preset", "demo", "--num-nodes", "2",
@@ -129,15 +129,15 @@ def test_two_simulated_nodes_train_and_write_one_record(tmp_path):
                 node.kill()
     for rank, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
         assert node.returncode == 0, f"node {rank} failed:\n{output[-3000:]}"
-    (path,) = records_in(tmp_path)  # exactly one record: global rank 0 writes it
-    record = read_record(path)
-    assert (record.num_nodes, record.devices_per_node, record.world_size) == (2, 2, 4)
-    assert [m.rank for m in record.memory] == [0, 1, 2, 3]
+    (path,) = results_in(tmp_path)  # exactly one result: global rank 0 writes it
+    run_result = read_result(path)
+    assert (run_result.num_nodes, run_result.devices_per_node, run_result.world_size) == (2, 2, 4)
+    assert [m.rank for m in run_result.memory] == [0, 1, 2, 3]
     # 1,437 training digits / (4 ranks x 128) = 2 full steps of 512 samples, then one validation.
-    assert record.steps == 2 and record.train_samples == 1024 and record.global_batch_size == 512
-    assert len(record.validation) == 1 and 0.0 < record.validation[0].top1 <= 1.0
-    assert record.best_checkpoint and Path(record.best_checkpoint).is_file()
-    assert "NODE_RANK=0" in record.command
+    assert run_result.steps == 2 and run_result.train_samples == 1024 and run_result.global_batch_size == 512
+    assert len(run_result.validation) == 1 and 0.0 < run_result.validation[0].top1 <= 1.0
+    assert run_result.best_checkpoint and Path(run_result.best_checkpoint).is_file()
+    assert "NODE_RANK=0" in run_result.command
 
 
 # --- batch finder -------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_bad_input_fails_with_one_line(args, message, tmp_path):
     error_lines = [line for line in result.stderr.splitlines() if line.startswith(("error:", "python baselines"))]
     assert any(message in line for line in error_lines), result.stderr
     assert "Traceback" not in result.stderr
-    assert not records_in(tmp_path)
+    assert not results_in(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="DataParallel can run here")
@@ -193,7 +193,7 @@ def test_dp_without_two_gpus_exits_with_a_message(tmp_path):
     result = run(["--strategy", "dp", "--preset", "demo", "--out-dir", str(tmp_path)], timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: --strategy dp needs at least 2 CUDA GPUs")
-    assert not records_in(tmp_path)
+    assert not results_in(tmp_path)
 
 
 def test_help_explains_the_strategies():
@@ -205,8 +205,8 @@ def test_help_explains_the_strategies():
         assert words in " ".join(result.stdout.split()), words
 
 
-def test_record_file_is_json_with_the_config(one_step):
-    (path,) = records_in(one_step["single"])
+def test_result_file_is_json_with_the_config(one_step):
+    (path,) = results_in(one_step["single"])
     raw = json.loads(path.read_text())
     assert raw["config"]["preset"] == "demo" and raw["fingerprint"] and raw["tensorboard_dir"]
 
@@ -224,9 +224,9 @@ def test_best_checkpoint_goes_to_the_s3_store(s3, tmp_path):
     done = subprocess.run(args, cwd=ROOT, env=dict(env(), **s3.client_env()), capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (path,) = records_in(tmp_path)
-    record = read_record(path)
-    assert record.best_checkpoint.startswith(f"s3://{BUCKET}/baselines/")
-    checkpoint = load_checkpoint(record.best_checkpoint, endpoint_url=s3.endpoint_url)
-    assert checkpoint.metrics["top1"] == record.best_top1
-    assert checkpoint.config.fingerprint == record.fingerprint
+    (path,) = results_in(tmp_path)
+    run_result = read_result(path)
+    assert run_result.best_checkpoint.startswith(f"s3://{BUCKET}/baselines/")
+    checkpoint = load_checkpoint(run_result.best_checkpoint, endpoint_url=s3.endpoint_url)
+    assert checkpoint.metrics["top1"] == run_result.best_top1
+    assert checkpoint.config.fingerprint == run_result.fingerprint

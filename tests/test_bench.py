@@ -9,14 +9,14 @@ from benchmarks import bench, harness, report
 
 
 def smoke(suite: str) -> tuple[dict, str]:
-    """Run a suite's smoke version; returns the result in the record it printed, and the section it rendered."""
+    """Run a suite's smoke version; returns the result in the bench result it printed, and the section it rendered."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench", suite, "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record_text, section = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
-    record = json.loads(record_text + "\n}")
-    assert record["suite"] == suite and record["command"] == f"python -m benchmarks.bench {suite} --smoke"
-    return record["result"], section
+    result_text, section = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
+    bench_result = json.loads(result_text + "\n}")
+    assert bench_result["suite"] == suite and bench_result["command"] == f"python -m benchmarks.bench {suite} --smoke"
+    return bench_result["result"], section
 
 
 def test_join_suite_smoke():
@@ -107,11 +107,11 @@ def test_a_suite_rewrites_only_its_own_section(tmp_path, monkeypatch):
     assert "attacks" not in (tmp_path / "benchmarks.md").read_text()
 
 
-def test_page_rebuilds_from_the_newest_record_without_measuring(tmp_path, monkeypatch):
-    """--page: a section, or the scale suite's whole page, again from the suite's newest record; nothing runs."""
+def test_page_rebuilds_from_the_newest_result_without_measuring(tmp_path, monkeypatch):
+    """--page: a section, or the scale suite's whole page, again from the suite's newest result; nothing runs."""
     monkeypatch.setattr(bench, "PAGE", tmp_path / "benchmarks.md")
-    monkeypatch.setattr(report, "RECORDS", tmp_path / "records")
-    (tmp_path / "records").mkdir()
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    (tmp_path / "results").mkdir()
 
     def measure(work, smoke):
         raise AssertionError("--page measured")
@@ -120,18 +120,18 @@ def test_page_rebuilds_from_the_newest_record_without_measuring(tmp_path, monkey
     monkeypatch.setitem(bench.SUITES, "join",
                         (measure, lambda result, env, out: f"## join\n\n{result} by {env['command']}\n"))
     for time, value in (("20260101T000000", "old"), ("20260102T000000", "new")):
-        (tmp_path / "records" / f"bench-join-{time}.json").write_text(json.dumps(dict(
+        (tmp_path / "results" / f"bench-join-{time}.json").write_text(json.dumps(dict(
             suite="join", command="python -m benchmarks.bench join", environment={}, result=value)))
-    kept = ROOT / "logbook" / "bench-records" / "bench-scale-20261126T065735.json"
-    relay = ROOT / "logbook" / "bench-records" / "bench-relay-20261128T131526.json"  # its last section quotes it
-    for record in (kept, relay):
-        (tmp_path / "records" / record.name).write_text(record.read_text())
+    kept = ROOT / "logbook" / "bench-results" / "bench-scale-20261126T065735.json"
+    relay = ROOT / "logbook" / "bench-results" / "bench-relay-20261128T131526.json"  # its last section quotes it
+    for bench_result in (kept, relay):
+        (tmp_path / "results" / bench_result.name).write_text(bench_result.read_text())
     assert bench.main(["join", "--page"]) == 0 and bench.main(["scale", "--page"]) == 0
     assert (tmp_path / "benchmarks.md").read_text().endswith("## join\n\nnew by python -m benchmarks.bench join\n")
     page = (tmp_path / "scale.md").read_text()
-    # the page names the command and commit that measured the record, and its record
-    assert page.startswith("# Scale") and "Written by `python -m benchmarks.scale` from the record" in page
-    assert f"{tmp_path / 'records' / kept.name}`: measured on 2026-11-26 06:50 UTC at commit 538edd2" in page
+    # the page names the command and commit that measured the result, and its result
+    assert page.startswith("# Scale") and "Written by `python -m benchmarks.scale` from the bench result" in page
+    assert f"{tmp_path / 'results' / kept.name}`: measured on 2026-11-26 06:50 UTC at commit 538edd2" in page
     assert "`python -m benchmarks.bench scale --page` rebuilds this page" in page
     assert "## The coordinator as a relay for unreachable peers" in page and relay.name in page
 

@@ -1,5 +1,5 @@
-"""Every figure on a committed logbook page is the one its record gives: each page (or section) is rendered again from
-the records it cites, with today's renderers, and must come out as committed. A figure retyped by hand, a record
+"""Every figure on a committed logbook page is the one its result gives: each page (or section) is rendered again from
+the results it cites, with today's renderers, and must come out as committed. A figure retyped by hand, a result
 replaced without its page, or a renderer changed without `--page` to write the page again fails here, naming the
 command that rewrites it."""
 
@@ -31,29 +31,29 @@ def _differences(committed: str, rendered: str) -> str:
                                                "rendered", lineterm=""))[:30])
 
 
-SUITES_WITH_RECORDS = sorted(suite for suite in bench.SUITES if any(bench.RECORDS.glob(f"bench-{suite}-*.json")))
+SUITES_WITH_RESULTS = sorted(suite for suite in bench.SUITES if any(bench.RESULTS.glob(f"bench-{suite}-*.json")))
 
 
-def test_every_benchmark_suite_has_a_record_and_a_page():
-    assert set(SUITES_WITH_RECORDS) == set(bench.SUITES), set(bench.SUITES) - set(SUITES_WITH_RECORDS)
+def test_every_benchmark_suite_has_a_result_and_a_page():
+    assert set(SUITES_WITH_RESULTS) == set(bench.SUITES), set(bench.SUITES) - set(SUITES_WITH_RESULTS)
 
 
-@pytest.mark.parametrize("suite", SUITES_WITH_RECORDS)
-def test_a_suites_section_is_what_its_newest_record_renders(suite, tmp_path):
-    path = bench.newest_record(suite)
+@pytest.mark.parametrize("suite", SUITES_WITH_RESULTS)
+def test_a_suites_section_is_what_its_newest_result_renders(suite, tmp_path):
+    path = bench.newest_result(suite)
     rendered = bench.render(suite, json.loads(path.read_text()), path, tmp_path)  # plots go to the scratch folder
     page = bench.page_of(suite).read_text()
-    committed = page if suite == "scale" else _sections(page).get(suite, "")  # scale's record is a whole page
+    committed = page if suite == "scale" else _sections(page).get(suite, "")  # scale's result is a whole page
     assert committed.rstrip("\n") == rendered.rstrip("\n"), (
         f"{bench.page_of(suite).relative_to(ROOT)} ({suite}) is not what {path.name} renders: run"
         f" python -m benchmarks.bench {suite} --page\n{_differences(committed, rendered)}")
 
 
-def test_the_baselines_page_is_what_the_run_records_render(tmp_path):
+def test_the_baselines_page_is_what_the_run_results_render(tmp_path):
     out = tmp_path / "logbook"  # the committed layout, so that the page's links come out the same
-    shutil.copytree(LOGBOOK / "records", out / "records")
-    command = "python -m benchmarks.logbook build --records logbook/records --out logbook"
-    pages = logbook.build([out / "records"], out, None, command)
+    shutil.copytree(LOGBOOK / "results", out / "results")
+    command = "python -m benchmarks.logbook build --results logbook/results --out logbook"
+    pages = logbook.build([out / "results"], out, None, command)
     assert pages
     for page in pages:
         committed = (LOGBOOK / page.name).read_text()
@@ -61,14 +61,14 @@ def test_the_baselines_page_is_what_the_run_records_render(tmp_path):
             committed, page.read_text())
 
 
-def test_the_gpu_page_is_what_its_record_renders(tmp_path, monkeypatch):
-    records = sorted((LOGBOOK / "gpu-records").glob("gpu-proof-*.json"))
+def test_the_gpu_page_is_what_its_result_renders(tmp_path, monkeypatch):
+    results = sorted((LOGBOOK / "gpu-results").glob("gpu-proof-*.json"))
     committed = (LOGBOOK / "gpu.md").read_text()
-    cited = [path for path in records if f"({path.name})" in committed or f"/{path.name})" in committed]
-    assert len(cited) == 1, [path.name for path in records]
-    shutil.copytree(LOGBOOK / "gpu-records", tmp_path / "logbook" / "gpu-records")
-    monkeypatch.chdir(tmp_path)  # the page names its record and folder as the command that wrote it did
-    page = render_gpu_page(json.loads(cited[0].read_text()), Path("logbook"), Path("logbook/gpu-records"))
+    cited = [path for path in results if f"({path.name})" in committed or f"/{path.name})" in committed]
+    assert len(cited) == 1, [path.name for path in results]
+    shutil.copytree(LOGBOOK / "gpu-results", tmp_path / "logbook" / "gpu-results")
+    monkeypatch.chdir(tmp_path)  # the page names its result and folder as the command that wrote it did
+    page = render_gpu_page(json.loads(cited[0].read_text()), Path("logbook"), Path("logbook/gpu-results"))
     assert committed == page.read_text(), (f"logbook/gpu.md: run python -m benchmarks.gpu_page"
-                                           f" logbook/gpu-records/{cited[0].name} --out logbook\n"
+                                           f" logbook/gpu-results/{cited[0].name} --out logbook\n"
                                            + _differences(committed, page.read_text()))

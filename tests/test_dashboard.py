@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 from hivetrain.config import get_preset
 from hivetrain.metrics_store import (CheckpointRow, MetricsWriter, PeerRow, RollbackRow, RunInfo, SwarmSnapshot,
                                      ValidationRow)
-from hivetrain.records import read_record
+from hivetrain.run_result import read_result
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = ROOT / "hivetrain" / "roles" / "dashboard" / "app.py"
@@ -26,8 +26,8 @@ app = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(app)
 
 
-def run_app(monkeypatch, store: Path, records: Path) -> AppTest:
-    monkeypatch.setattr("sys.argv", ["app.py", "--store", str(store), "--records", str(records)])
+def run_app(monkeypatch, store: Path, results: Path) -> AppTest:
+    monkeypatch.setattr("sys.argv", ["app.py", "--store", str(store), "--results", str(results)])
     at = AppTest.from_file(str(APP), default_timeout=30).run()
     assert not at.exception, [e.value for e in at.exception]
     return at
@@ -196,7 +196,7 @@ def finished(tmp_path):
 
 
 def test_finished_run_with_checkpoints(monkeypatch, tmp_path, finished):
-    at = run_app(monkeypatch, finished, tmp_path / "no-records")
+    at = run_app(monkeypatch, finished, tmp_path / "no-results")
     assert set(at.dataframe[0].value["state"]) == {"gone"}
 
     checkpoints = at.dataframe[2].value
@@ -211,20 +211,20 @@ def test_finished_run_with_checkpoints(monkeypatch, tmp_path, finished):
                for i in at.info)
 
 
-def test_baselines_compare_records_of_the_same_preset(monkeypatch, tmp_path, finished):
-    records = tmp_path / "records"
-    records.mkdir()
+def test_baselines_compare_results_of_the_same_preset(monkeypatch, tmp_path, finished):
+    results = tmp_path / "results"
+    results.mkdir()
     for pattern in ("demo-ddp-*.json", "demo-fsdp-*.json"):
-        shutil.copy(next((ROOT / "logbook" / "records").glob(pattern)), records)
-    (records / "broken.json").write_text("{")
-    at = run_app(monkeypatch, finished, records)
+        shutil.copy(next((ROOT / "logbook" / "results").glob(pattern)), results)
+    (results / "broken.json").write_text("{")
+    at = run_app(monkeypatch, finished, results)
 
     assert any("broken.json" in w.value for w in at.warning)
     table = at.dataframe[3].value
     assert list(table.columns) == ["run", "strategy", "world size", "global batch", "samples/s", "best top-1",
                                    "wall time", "peak memory"]
     speeds = dict(zip(table["strategy"], table["samples/s"]))
-    ddp, fsdp = (read_record(next(records.glob(f"demo-{s}-*.json"))) for s in ("ddp", "fsdp"))
+    ddp, fsdp = (read_result(next(results.glob(f"demo-{s}-*.json"))) for s in ("ddp", "fsdp"))
     assert speeds == {"ddp": round(ddp.samples_per_s, 1), "fsdp": round(fsdp.samples_per_s, 1),
                       "swarm (this run)": 120.0}  # the mean of the snapshots' 100..140
     swarm = table[table["strategy"] == "swarm (this run)"].iloc[0]

@@ -46,7 +46,7 @@ def test_dashboard_shows_the_live_swarm_in_a_browser(spawn, tmp_path):
     url = f"http://127.0.0.1:{port}"
     spawn("dashboard", "-m", "hivetrain.roles.dashboard.launch",
           "--store", str(tmp_path / "coordinator" / "metrics.sqlite"),
-          "--port", str(port), "--refresh", "2", "--records", str(tmp_path / "no-records"))
+          "--port", str(port), "--refresh", "2", "--results", str(tmp_path / "no-results"))
     for name in ("alice", "bob"):
         spawn(name, "peers/join.py", "--host", "127.0.0.1", "--initial-peers", *addresses, "--name", name,
               "--threads", "1", "--min-peers", "2", "--stop-at-epoch", "40")

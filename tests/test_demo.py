@@ -1,22 +1,22 @@
-"""The README's main command, shortened: a coordinator and two peers, then the page and the swarm's run record."""
+"""The README's main command, shortened: a coordinator and two peers, then the page and the swarm's run result."""
 
 import json
 import subprocess
 import sys
 
 from conftest import ROOT
-from hivetrain.records import read_record
+from hivetrain.run_result import read_result
 
 EPOCHS = 6
 
 
-def test_demo_writes_its_numbers_and_a_swarm_record(tmp_path):
-    page, records = tmp_path / "logbook" / "demo.md", tmp_path / "logbook" / "records"
+def test_demo_writes_its_numbers_and_a_swarm_result(tmp_path):
+    page, results = tmp_path / "logbook" / "demo.md", tmp_path / "logbook" / "results"
     done = subprocess.run(
         # The demo's own rounds, paced every 2 s: the coordinator looks every 2 s and validates a state it downloads
         # from a peer; the last state, once the peers stop, from one that keeps it up until then
         [sys.executable, "scripts/demo.py", "--epochs", str(EPOCHS), "--workdir",
-         str(tmp_path / "run"), "--logbook", str(page), "--record-dir", str(records)],
+         str(tmp_path / "run"), "--logbook", str(page), "--result-dir", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -42,15 +42,15 @@ def test_demo_writes_its_numbers_and_a_swarm_record(tmp_path):
     text = page.read_text()
     assert f"| swarm epochs (outer rounds) | {result['swarm_epochs']} |" in text
     assert f"{best['top1']:.2%} / {best['top5']:.2%} at swarm epoch {best['epoch']}" in text
-    (path,) = records.glob("*.json")
-    record = read_record(path)
-    assert record.strategy == "swarm" and record.world_size == 2 and record.steps == result["swarm_epochs"]
-    assert [v.step for v in record.validation] == [v["epoch"] for v in validations]
-    assert record.best_top1 == round(best["top1"], 6)
-    assert len(record.memory) == 2 and all(m.peak_rss_bytes > 50 * 2**20 for m in record.memory)
-    assert {s.rank for s in record.utilisation} == {0, 1}
+    (path,) = results.glob("*.json")
+    run_result = read_result(path)
+    assert run_result.strategy == "swarm" and run_result.world_size == 2 and run_result.steps == result["swarm_epochs"]
+    assert [v.step for v in run_result.validation] == [v["epoch"] for v in validations]
+    assert run_result.best_top1 == round(best["top1"], 6)
+    assert len(run_result.memory) == 2 and all(m.peak_rss_bytes > 50 * 2**20 for m in run_result.memory)
+    assert {s.rank for s in run_result.utilisation} == {0, 1}
     baselines_page = (tmp_path / "logbook" / "demo-baselines.md").read_text()
-    assert record.name in baselines_page
+    assert run_result.name in baselines_page
 
 
 def _rounds(workdir) -> str:

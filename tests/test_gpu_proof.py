@@ -1,7 +1,7 @@
 """The GPU proof's pieces that run without a GPU: the one-line exit where there is no CUDA, the synthetic data, the
 batch finder's trial on generated data, the ceiling run and its parsing (on a CPU), a swarm variant's figures from its
 peers' events (the swarm's processes faked), the proof's wiring (its runs faked), and the page rendered from an
-example record and from a record of those pieces; the speed runs and the control are in test_gpu_runs.py.
+example result and from a result of those pieces; the speed runs and the control are in test_gpu_runs.py.
 Everything is written under tmp_path."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hivetrain.pixels import to_model_input
 from hivetrain.synthetic_data import DATA_ORIGIN, SyntheticCifar10
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE_RECORD = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"
+EXAMPLE_RESULT = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"
 
 
 def run_module(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -39,13 +39,13 @@ def _pythonpath_restored(monkeypatch):
 
 
 def test_without_cuda_it_says_so_in_one_line_and_exits_0(tmp_path):
-    out, records = tmp_path / "out", tmp_path / "records"
-    done = run_module("benchmarks.gpu_proof", "--out", str(out), "--records", str(records),
+    out, results = tmp_path / "out", tmp_path / "results"
+    done = run_module("benchmarks.gpu_proof", "--out", str(out), "--results", str(results),
                       env={"CUDA_VISIBLE_DEVICES": ""})  # hides any GPU of the machine running the tests
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [gpu_proof.NO_CUDA_LINE]
     assert "Traceback" not in done.stderr
-    assert not out.exists() and not records.exists()
+    assert not out.exists() and not results.exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -135,14 +135,14 @@ def test_batch_finder_trial_on_generated_data_needs_no_dataset(tmp_path):
     assert not (tmp_path / "no-data").exists()
 
 
-def test_page_rendered_from_the_example_record(tmp_path):
-    record = json.loads(EXAMPLE_RECORD.read_text())
-    page = render_gpu_page(record, tmp_path / "logbook", EXAMPLE_RECORD.parent)
+def test_page_rendered_from_the_example_result(tmp_path):
+    proof = json.loads(EXAMPLE_RESULT.read_text())
+    page = render_gpu_page(proof, tmp_path / "logbook", EXAMPLE_RESULT.parent)
     assert page == tmp_path / "logbook" / "gpu.md"
     text = page.read_text()
-    assert "**Example record, not a measurement.**" in text  # a fixture must never pass for a measurement
+    assert "**Example result, not a measurement.**" in text  # a fixture must never pass for a measurement
     assert DATA_ORIGIN in text
-    assert "NVIDIA H100 80GB HBM3" in text and record["environment"]["commit"] in text
+    assert "NVIDIA H100 80GB HBM3" in text and proof["environment"]["commit"] in text
     assert "torch 2.11.0+cu128 (CUDA 12.8" in text
     assert "| `32` | 1792 | 51.70 GiB | 7 |" in text and "1920 did not fit" in text
     assert "the finder's cap (4096)" in text
@@ -173,19 +173,19 @@ def test_page_rendered_from_the_example_record(tmp_path):
 
 
 def test_page_says_why_the_swarm_did_not_run(tmp_path):
-    record = json.loads(EXAMPLE_RECORD.read_text())
-    record["swarm"].update(modes=[], skipped="--no-swarm was given")
-    text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
+    proof = json.loads(EXAMPLE_RESULT.read_text())
+    proof["swarm"].update(modes=[], skipped="--no-swarm was given")
+    text = render_gpu_page(proof, tmp_path, EXAMPLE_RESULT.parent).read_text()
     assert "Not run: --no-swarm was given" in text
 
 
-def test_page_command_refuses_a_record_that_is_not_one(tmp_path):
+def test_page_command_refuses_a_result_that_is_not_one(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"kind": "gpu-proof"}))
     done = run_module("benchmarks.gpu_page", str(broken), "--out", str(tmp_path / "out"))
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"error: {broken}: not a GPU proof record (missing or mistyped field 'artifacts')"]
+        f"error: {broken}: not a GPU proof result (missing or mistyped field 'artifacts')"]
 
 
 def test_swarm_without_hivemind_or_wheels_says_what_to_do(tmp_path, monkeypatch):
@@ -221,14 +221,14 @@ def test_a_spent_budget_skips_the_steps_left_and_the_page_of_a_cut_off_proof_say
     assert list(tmp_path.iterdir()) == []  # no swarm, control or compiled run started
 
     # What run_proof saves after a step, when the proof is cut off before the rest: finished is still False.
-    record = json.loads(EXAMPLE_RECORD.read_text())
-    record["finished"] = False
-    record["precisions"][-1]["search"] = dict(error=skipped)
-    record["precisions"][-1]["single"] = dict(strategy="single", error=skipped)
-    record["swarm"] = gpu_swarm.new_swarm_record(["diloco-blocking"], 1.0, 1024, 100, None)
-    record["swarm"].update(skipped=None, variants=[dict(variant="diloco-blocking", error=skipped)])
-    record["control"], record["compiled"] = dict(error=skipped), None
-    text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
+    proof = json.loads(EXAMPLE_RESULT.read_text())
+    proof["finished"] = False
+    proof["precisions"][-1]["search"] = dict(error=skipped)
+    proof["precisions"][-1]["single"] = dict(strategy="single", error=skipped)
+    proof["swarm"] = gpu_swarm.new_swarm_result(["diloco-blocking"], 1.0, 1024, 100, None)
+    proof["swarm"].update(skipped=None, variants=[dict(variant="diloco-blocking", error=skipped)])
+    proof["control"], proof["compiled"] = dict(error=skipped), None
+    text = render_gpu_page(proof, tmp_path, EXAMPLE_RESULT.parent).read_text()
     assert "**Cut off.**" in text
     assert f"| diloco-blocking | 2 | {' | '.join(['–'] * 10)} | {skipped} |" in text
     assert f"– | {skipped} |" in text and f"failed: {skipped}" not in text
@@ -286,7 +286,7 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     import benchmarks.gpu_usage
     import benchmarks.harness
 
-    artifacts = tmp_path / "records" / "gpu-proof-test"
+    artifacts = tmp_path / "results" / "gpu-proof-test"
     clock = gpu_proof.Clock()
     clock.zero -= 1000  # the proof started 1000 s ago: the swarm's window (its last 98 s) lies after 900 s
 
@@ -321,9 +321,9 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
 
     monkeypatch.setattr(benchmarks.harness, "run_swarm", fake_run_swarm)
     monkeypatch.setattr(benchmarks.gpu_usage, "NvmlSeries", FakeNvmlSeries)
-    record = json.loads(EXAMPLE_RECORD.read_text())
-    single = dict(record["precisions"][1]["single"], batch_size=1024, train_samples_per_s=7200.0)
-    control = dict(record["control"], samples_per_s=6400.0)
+    proof = json.loads(EXAMPLE_RESULT.read_text())
+    single = dict(proof["precisions"][1]["single"], batch_size=1024, train_samples_per_s=7200.0)
+    control = dict(proof["control"], samples_per_s=6400.0)
     [run] = gpu_swarm.measure_swarm_variants(["diloco-overlapped"], 1.25, 1024, 100, artifacts, clock,
                                              single=single, ceiling=ceiling, control=control)
 
@@ -354,17 +354,17 @@ def test_a_swarm_variant_held_against_the_single_process_and_the_ceiling_and_its
     failed = gpu_swarm.swarm_figures(rate, dict(error="failed: exit code 1"), ceiling, dict(error="skipped: ..."))
     assert failed["ratio_to_single"] is None and failed["ratio_to_control"] is None
 
-    # The page of a short proof (--no-search) with these pieces in the record, as run_proof saves it.
+    # The page of a short proof (--no-search) with these pieces in the result, as run_proof saves it.
     args = gpu_proof.parse_args(["--no-search", "--precisions", "bf16-mixed", "--swarm-minutes", "1.25"])
-    record["settings"].update(search=False, swarm_batch=1024)
-    record["reference"] = dict(batch_size=1024, precision="bf16-mixed", single=single,
+    proof["settings"].update(search=False, swarm_batch=1024)
+    proof["reference"] = dict(batch_size=1024, precision="bf16-mixed", single=single,
                                single_from=gpu_swarm.OWN_REFERENCE_RUN, ceiling=ceiling)
-    record["control"] = control
-    record["swarm"] = gpu_swarm.new_swarm_record(args.swarm_variants, args.swarm_minutes, args.swarm_batch,
+    proof["control"] = control
+    proof["swarm"] = gpu_swarm.new_swarm_result(args.swarm_variants, args.swarm_minutes, args.swarm_batch,
                                                  args.swarm_inner_steps, None)
-    record["swarm"].update(skipped=None, variants=json.loads(json.dumps([run, dict(
+    proof["swarm"].update(skipped=None, variants=json.loads(json.dumps([run, dict(
         variant="diloco-blocking", error="a peer of swarm-diloco-blocking failed (exit code 1); see its log")])))
-    text = render_gpu_page(record, tmp_path / "logbook", tmp_path / "records").read_text()
+    text = render_gpu_page(proof, tmp_path / "logbook", tmp_path / "results").read_text()
     assert "Not searched (`--no-search`): every precision ran at the swarm's batch, 1024." in text
     assert "## One process at the swarm's batch (1024, `bf16-mixed`)" in text
     assert "**7,200 training samples/s**" in text and "(7,200 samples/s, above)" in text
@@ -397,7 +397,7 @@ def test_a_short_proof_reuses_its_speed_run_as_the_swarms_reference(tmp_path, mo
     """run_proof's wiring with --no-search, its runs faked: the bf16-mixed speed run at --swarm-batch is the single
     process the swarm, the control and the compiled run are held against, the ceiling and the control run at that
     batch, every variant of --swarm-variants gets all three references, and the compiled run comes last."""
-    example = json.loads(EXAMPLE_RECORD.read_text())
+    example = json.loads(EXAMPLE_RESULT.read_text())
     calls = []
 
     def fake_speed(precision, batch, devices, args, artifacts, clock, label=None, options=(), timeout=None):
@@ -428,29 +428,29 @@ def test_a_short_proof_reuses_its_speed_run_as_the_swarms_reference(tmp_path, mo
     monkeypatch.setattr(gpu_proof, "ensure_hivemind", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = gpu_proof.parse_args(["--precisions", "bf16-mixed", "--no-search", "--speed-seconds", "6",
-                                 "--swarm-minutes", "1.25", "--out", str(tmp_path / "out"), "--records",
-                                 str(tmp_path / "records"), "--commit", "abc", *flags])
+                                 "--swarm-minutes", "1.25", "--out", str(tmp_path / "out"), "--results",
+                                 str(tmp_path / "results"), "--commit", "abc", *flags])
     assert gpu_proof.run_proof(args, "python -m benchmarks.gpu_proof ...") == 0
     assert calls == expected_calls
-    [path] = (tmp_path / "records").glob("gpu-proof-*.json")
-    record = json.loads(path.read_text())
-    assert record["finished"] and record["settings"]["search"] is False
-    assert record["precisions"][0]["search"] == dict(
+    [path] = (tmp_path / "results").glob("gpu-proof-*.json")
+    proof = json.loads(path.read_text())
+    assert proof["finished"] and proof["settings"]["search"] is False
+    assert proof["precisions"][0]["search"] == dict(
         error="skipped: --no-search was given; speed measured at --swarm-batch 1024")
-    assert record["reference"]["single_from"] == "the bf16-mixed single-GPU speed run above"
+    assert proof["reference"]["single_from"] == "the bf16-mixed single-GPU speed run above"
     variants = [call[1][0] for call in expected_calls if call[0] == "swarm"]
-    assert [run["variant"] for run in record["swarm"]["variants"]] == variants
-    assert list(record["swarm"]["coordinator_commands"]) == variants == record["settings"]["swarm_variants"]
+    assert [run["variant"] for run in proof["swarm"]["variants"]] == variants
+    assert list(proof["swarm"]["coordinator_commands"]) == variants == proof["settings"]["swarm_variants"]
     text = (tmp_path / "out" / "gpu.md").read_text()
     assert "Not searched (`--no-search`)" in text and "| diloco-blocking | 2 | – |" in text
     if flags:
-        assert record["control"] == dict(error="skipped: --no-control was given")
-        assert record["compiled"] == dict(error="skipped: --no-compile-run was given")
+        assert proof["control"] == dict(error="skipped: --no-control was given")
+        assert proof["compiled"] == dict(error="skipped: --no-compile-run was given")
         assert "Not measured: skipped: --no-control was given." in text
         assert "--compile`, default mode, no validation pass): skipped: --no-compile-run was given." in text
     else:
-        assert record["control"]["samples_per_s"] == 6300.0
-        compiled = record["compiled"]
+        assert proof["control"]["samples_per_s"] == 6300.0
+        compiled = proof["compiled"]
         assert compiled["ratio_to_eager"] == pytest.approx(1.3) and compiled["ratio_target_met"] is True
         assert compiled["eager_samples_per_s"] == 7000.0 and compiled["ratio_target"] == 1.2
         assert "**9,100 training samples/s** at batch 1024" in text and "**1.300×** the eager process's 7,000" in text

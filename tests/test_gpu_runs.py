@@ -1,5 +1,5 @@
 """The GPU proof's runs of benchmarks.gpu_speed, on CPUs: one process, DDP over gloo, with torch.compile and with a
-torch.compile that cannot compile (its error in one line, in the proof's record), the options it refuses, and the
+torch.compile that cannot compile (its error in one line, in the proof's result), the options it refuses, and the
 control of two plain processes whose timed windows start together (benchmarks/gpu_control.py), with its page.
 Everything is written under tmp_path."""
 
@@ -18,7 +18,7 @@ from benchmarks import gpu_control, gpu_proof
 from benchmarks.gpu_page import render_gpu_page
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE_RECORD = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"
+EXAMPLE_RESULT = ROOT / "tests" / "fixtures" / "gpu-proof-example.json"
 
 
 def run_module(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -81,7 +81,7 @@ def test_a_torch_compile_that_cannot_compile_fails_in_one_line_and_the_proof_rec
     clock = gpu_proof.Clock()
     args = gpu_proof.parse_args(["--train-samples", "6", "--val-samples", "0", "--warmup-steps", "1",
                                  "--speed-seconds", "0.1", "--seed", "5"])
-    artifacts = tmp_path / "records" / "gpu-proof-test"
+    artifacts = tmp_path / "results" / "gpu-proof-test"
     artifacts.mkdir(parents=True)
     result = gpu_proof.measure_speed("32", 2, 1, args, artifacts, clock, label="compiled-32", timeout=300,
                                      options=("--device", "cpu", "--threads", "1", "--compile"))
@@ -106,7 +106,7 @@ def test_speed_measurement_with_ddp_over_two_processes():
 def test_two_plain_processes_time_their_windows_together_and_their_page(tmp_path, monkeypatch):
     """The control for real on CPUs, small: both gpu_speed processes wait for each other after warm-up and start
     timing at the same moment; their samples/s add up and are held against the single process's."""
-    artifacts = tmp_path / "records" / "gpu-proof-test"
+    artifacts = tmp_path / "results" / "gpu-proof-test"
     ready_dirs: list[Path] = []
 
     def ready_dir(prefix: str) -> str:  # tempfile.mkdtemp's folder, where this test can find it
@@ -135,9 +135,9 @@ def test_two_plain_processes_time_their_windows_together_and_their_page(tmp_path
         assert "--ready-count 2" in first and f"--seed {5 + n}" in first and "--val-samples 0" in first
     assert len(ready_dirs) == 1 and not ready_dirs[0].exists()  # the processes' ready files are gone with it
 
-    record = json.loads(EXAMPLE_RECORD.read_text())
-    record["control"] = json.loads(json.dumps(control))
-    text = render_gpu_page(record, tmp_path / "logbook", tmp_path / "records").read_text()
+    proof = json.loads(EXAMPLE_RESULT.read_text())
+    proof["control"] = json.loads(json.dumps(control))
+    text = render_gpu_page(proof, tmp_path / "logbook", tmp_path / "results").read_text()
     assert f"**{control['samples_per_s']:,.0f} training samples/s together," in text
     assert f"| 1 | 6 | {runs[1]['train_samples_per_s']:,.0f} |" in text
 
@@ -154,9 +154,9 @@ def test_a_control_whose_windows_did_not_overlap_is_flagged_on_its_page(tmp_path
     assert apart["ratio_to_single"] is None  # the single process failed or did not run
     assert gpu_control.control_figures([run(100.0, 108.0), run(110.0, 118.0)], None)["overlap_s"] == 0
 
-    record = json.loads(EXAMPLE_RECORD.read_text())
-    record["control"].update(apart)
-    text = render_gpu_page(record, tmp_path, EXAMPLE_RECORD.parent).read_text()
+    proof = json.loads(EXAMPLE_RESULT.read_text())
+    proof["control"].update(apart)
+    text = render_gpu_page(proof, tmp_path, EXAMPLE_RESULT.parent).read_text()
     assert "**Their timed windows did not overlap enough** (38% of the longer, under 90%)" in text
     assert "(no ratio: the single process was not measured)" in text
 

@@ -1,4 +1,4 @@
-"""Run records and the logbook: strict decoding that names the bad field, and pages rendered from fixture records
+"""Run results and the logbook: strict decoding that names the bad field, and pages rendered from fixture results
 that carry their numbers, plots and commands."""
 
 from __future__ import annotations
@@ -13,22 +13,22 @@ import pytest
 
 from benchmarks import logbook
 from hivetrain.config import get_preset
-from hivetrain.records import (
+from hivetrain.run_result import (
     PipelineLayout,
     RankMemory,
-    RunRecord,
+    RunResult,
     Sharding,
     UtilisationSample,
     ValidationPoint,
-    read_record,
-    write_record,
+    read_result,
+    write_result,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = get_preset("demo")
 
 
-def make_record(strategy: str, name: str, top1: float, samples_per_s: float, **changes) -> RunRecord:
+def make_result(strategy: str, name: str, top1: float, samples_per_s: float, **changes) -> RunResult:
     world = 1 if strategy == "single" else 2
     fields = dict(
         name=name, experiment="demo", strategy=strategy, preset="demo", config=json.loads(DEMO.to_json()),
@@ -46,29 +46,29 @@ def make_record(strategy: str, name: str, top1: float, samples_per_s: float, **c
         tensorboard_dir=f"runs/baselines/tensorboard/demo/{name}", cpu_count=2,
     )
     fields.update(changes)
-    return RunRecord(**fields)
+    return RunResult(**fields)
 
 
 @pytest.fixture
-def records(tmp_path) -> Path:
-    directory = tmp_path / "records"
-    write_record(make_record("single", "demo-single-a", 0.9125, 1234.5), directory)
-    write_record(make_record("ddp", "demo-ddp-bb", 0.9375, 2345.6), directory)
-    write_record(make_record("fsdp", "demo-fsdp-ccc", 0.8875, 1111.1,
+def results(tmp_path) -> Path:
+    directory = tmp_path / "results"
+    write_result(make_result("single", "demo-single-a", 0.9125, 1234.5), directory)
+    write_result(make_result("ddp", "demo-ddp-bb", 0.9375, 2345.6), directory)
+    write_result(make_result("fsdp", "demo-fsdp-ccc", 0.8875, 1111.1,
                              sharding=Sharding(total_param_bytes=2_000_000, per_rank_param_bytes=[1_000_100, 999_900])),
                  directory)
     return directory
 
 
-# --- records ------------------------------------------------------------------------------------------------------
+# --- results ------------------------------------------------------------------------------------------------------
 
 
-def test_record_round_trip(tmp_path):
-    record = make_record("fsdp", "r", 0.5, 10.0, sharding=Sharding(100, [50, 50]))
-    path = write_record(record, tmp_path)
+def test_result_round_trip(tmp_path):
+    result = make_result("fsdp", "r", 0.5, 10.0, sharding=Sharding(100, [50, 50]))
+    path = write_result(result, tmp_path)
     assert path == tmp_path / "r.json"
-    again = read_record(path)
-    assert again == record and again.sharding.max_fraction == 0.5 and again.final.top1 == 0.5
+    again = read_result(path)
+    assert again == result and again.sharding.max_fraction == 0.5 and again.final.top1 == 0.5
 
 
 @pytest.mark.parametrize("change, message", [
@@ -77,63 +77,63 @@ def test_record_round_trip(tmp_path):
     (lambda raw: raw.update(steps=True), "field 'steps': expected an integer, got bool"),
     (lambda raw: raw["validation"][1].update(top1="high"), "field 'validation[1].top1': expected a number"),
     (lambda raw: raw["memory"][0].pop("peak_rss_bytes"), "field 'memory[0].peak_rss_bytes' is missing"),
-    (lambda raw: raw.update(colour="blue"), "field 'colour' is not part of a RunRecord"),
+    (lambda raw: raw.update(colour="blue"), "field 'colour' is not part of a RunResult"),
     (lambda raw: raw.update(strategy="horovod"), "field 'strategy': 'horovod' is not one of"),
     (lambda raw: raw.update(validation={}), "field 'validation': expected a list"),
     (lambda raw: raw.update(sharding=[1, 2]), "sharding: expected an object"),
 ])
-def test_record_validation_names_the_field(change, message):
-    raw = make_record("single", "r", 0.5, 10.0).to_dict()
+def test_result_validation_names_the_field(change, message):
+    raw = make_result("single", "r", 0.5, 10.0).to_dict()
     change(raw)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
-        RunRecord.from_json(json.dumps(raw))
+        RunResult.from_json(json.dumps(raw))
 
 
-def test_record_rejects_non_json():
+def test_result_rejects_non_json():
     with pytest.raises(ValueError, match="not JSON"):
-        RunRecord.from_json("{oops")
+        RunResult.from_json("{oops")
 
 
 # --- the logbook --------------------------------------------------------------------------------------------------
 
 
-def test_page_holds_the_records_numbers(records, tmp_path):
+def test_page_holds_the_results_numbers(results, tmp_path):
     out = tmp_path / "logbook"
-    assert logbook.main(["build", "--records", str(records), "--out", str(out)]) == 0
+    assert logbook.main(["build", "--results", str(results), "--out", str(out)]) == 0
     page = (out / "demo-baselines.md").read_text()
     for text in ("91.25%", "93.75%", "88.75%", "1234.5 samples/s", "2345.6", "1111.1", "0.2468",
                  "runs/baselines/checkpoints/demo-ddp-bb/best.safetensors", "`demo-fsdp-ccc`",
                  "python baselines/run.py --strategy fsdp --preset demo",
-                 f"python -m benchmarks.logbook build --records {records} --out {out}",
+                 f"python -m benchmarks.logbook build --results {results} --out {out}",
                  "tensorboard --logdir runs/baselines/tensorboard/demo",
-                 "900.0 MiB", "977 KiB, 976 KiB of 1.9 MiB", "No swarm record for this experiment yet",
-                 "fingerprint `" + DEMO.fingerprint + "`", "(../records/demo-single-a.json)",
+                 "900.0 MiB", "977 KiB, 976 KiB of 1.9 MiB", "No swarm result for this experiment yet",
+                 "fingerprint `" + DEMO.fingerprint + "`", "(../results/demo-single-a.json)",
                  "| other programs' CPU meanwhile (mean) | 0.85 cores | 0.00 cores |"):
         assert text in page, text
     side_by_side = page.split("## Side by side")[1].split("## Plots")[0]
-    assert "| Single device | DDP | FSDP | Swarm |" in side_by_side and "no record yet" in side_by_side
+    assert "| Single device | DDP | FSDP | Swarm |" in side_by_side and "no result yet" in side_by_side
     for png in ("demo-baselines-metrics.png", "demo-baselines-utilisation.png"):
         assert f"]({png})" in page
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_swarm_record_fills_its_column(records, tmp_path):
-    write_record(make_record("swarm", "demo-swarm-d", 0.9, 99.9, world_size=2, devices_per_node=1), records)
+def test_swarm_result_fills_its_column(results, tmp_path):
+    write_result(make_result("swarm", "demo-swarm-d", 0.9, 99.9, world_size=2, devices_per_node=1), results)
     out = tmp_path / "logbook"
-    assert logbook.main(["build", "--records", str(records), "--out", str(out)]) == 0
+    assert logbook.main(["build", "--results", str(results), "--out", str(out)]) == 0
     page = (out / "demo-baselines.md").read_text()
-    assert "No swarm record" not in page and "2 peers" in page and "99.9 samples/s" in page
+    assert "No swarm result" not in page and "2 peers" in page and "99.9 samples/s" in page
     assert "## Swarm" in page
 
 
-def test_pipeline_record_fills_its_column_with_memory_per_stage(records, tmp_path):
-    pipeline = make_record("pipeline", "demo-pipeline-e", 0.9, 77.7, global_batch_size=64,
+def test_pipeline_result_fills_its_column_with_memory_per_stage(results, tmp_path):
+    pipeline = make_result("pipeline", "demo-pipeline-e", 0.9, 77.7, global_batch_size=64,
                            memory=[RankMemory(0, "vm", 700 * 2**20), RankMemory(1, "vm", 650 * 2**20)],
                            sharding=Sharding(total_param_bytes=3 * 2**20, per_rank_param_bytes=[2 * 2**20, 2**20]),
                            pipeline=PipelineLayout("1f1b", 4, ["embedding, block 0", "block 1, norm, head"]))
-    write_record(pipeline, records)
+    write_result(pipeline, results)
     out = tmp_path / "logbook"
-    assert logbook.main(["build", "--records", str(records), "--out", str(out)]) == 0
+    assert logbook.main(["build", "--results", str(results), "--out", str(out)]) == 0
     page = (out / "demo-baselines.md").read_text()
     side_by_side = page.split("## Side by side")[1].split("## Plots")[0]
     assert "| Single device | DDP | FSDP | Pipeline | Swarm |" in side_by_side
@@ -145,31 +145,31 @@ def test_pipeline_record_fills_its_column_with_memory_per_stage(records, tmp_pat
     assert "77.7 samples/s" in page
 
 
-def test_malformed_record_fails_naming_file_and_field(records, tmp_path, capsys):
-    bad = records / "broken.json"
-    raw = make_record("ddp", "broken", 0.5, 1.0).to_dict()
+def test_malformed_result_fails_naming_file_and_field(results, tmp_path, capsys):
+    bad = results / "broken.json"
+    raw = make_result("ddp", "broken", 0.5, 1.0).to_dict()
     raw["validation"][0]["loss"] = None
     bad.write_text(json.dumps(raw))
-    assert logbook.main(["build", "--records", str(records), "--out", str(tmp_path / "out")]) == 2
+    assert logbook.main(["build", "--results", str(results), "--out", str(tmp_path / "out")]) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error:") and len(error.splitlines()) == 1
     assert str(bad) in error and "validation[0].loss" in error
     assert not (tmp_path / "out" / "demo-baselines.md").exists()
 
 
-def test_cli_exit_code_on_malformed_record_and_empty_folder(tmp_path):
+def test_cli_exit_code_on_malformed_result_and_empty_folder(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "x.json").write_text('{"name": "x"}')
     (tmp_path / "empty").mkdir()
     cli_env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for folder, message in (("bad", "x.json: field 'experiment' is missing"), ("empty", "no run records")):
-        result = subprocess.run([sys.executable, "-m", "benchmarks.logbook", "build", "--records",
+    for folder, message in (("bad", "x.json: field 'experiment' is missing"), ("empty", "no run results")):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.logbook", "build", "--results",
                                  str(tmp_path / folder), "--out", str(tmp_path / "out")],
                                 cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=60)
-        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
 
 
-def test_the_repos_run_records_all_load():
-    """make demo rebuilds its pages from logbook/records: every file there must be a run record."""
-    loaded = logbook.load_records([Path(logbook.__file__).resolve().parent.parent / "logbook" / "records"])
-    assert {item.record.strategy for item in loaded} >= {"single", "ddp", "swarm"}
+def test_the_repos_run_results_all_load():
+    """make demo rebuilds its pages from logbook/results: every file there must be a run result."""
+    loaded = logbook.load_results([Path(logbook.__file__).resolve().parent.parent / "logbook" / "results"])
+    assert {item.result.strategy for item in loaded} >= {"single", "ddp", "swarm"}

@@ -1,5 +1,5 @@
 """The pipeline baseline on CPU: one optimizer step of 2 stages in 2 processes (gloo) is the single-process step, under
-both schedules and with accumulation; the command trains, validates and writes a record with memory per stage."""
+both schedules and with accumulation; the command trains, validates and writes a result with memory per stage."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from test_baselines import env, free_port, records_in
+from test_baselines import env, free_port, results_in
 from test_wandb import read_wandb_run
 
 from baselines.pipeline import PipelineTrainer
 from hivetrain.config import get_preset
 from hivetrain.model import create_model
 from hivetrain.optimizer import make_optimizer
-from hivetrain.records import read_record
+from hivetrain.run_result import read_result
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = get_preset("demo")
@@ -82,36 +82,36 @@ def test_two_stages_take_the_single_process_step(tmp_path):
         assert max((weights[k] - single[k]).abs().max().item() for k in single) < 1e-5, schedule
 
 
-def test_command_writes_a_record_with_memory_per_stage(tmp_path):
+def test_command_writes_a_result_with_memory_per_stage(tmp_path):
     # 40 validation samples in batches of 32: the second batch is padded for the schedule and the padding left out.
     args = [sys.executable, "baselines/run.py", "--strategy", "pipeline", "--devices", "2", "--preset", "demo",
             "--threads", "1", "--max-steps", "2", "--val-limit", "40", "--progress-bar", "off",
             "--out-dir", str(tmp_path), "--wandb-project", "test"]
-    result = subprocess.run(args, cwd=ROOT, env=env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    (path,) = records_in(tmp_path)
-    record = read_record(path)
+    done = subprocess.run(args, cwd=ROOT, env=env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (path,) = results_in(tmp_path)
+    result = read_result(path)
     # W&B gets what TensorBoard gets, as from the other baselines: each step's loss and each validation
     [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
     _, history, summary = read_wandb_run(run_dir)
     assert [row["trainer/global_step"] for row in history if "train/loss" in row] == [1, 2]
-    assert [row["val/top1"] for row in history if "val/top1" in row] == [point.top1 for point in record.validation]
-    assert summary["best/top1"] == record.best_top1
-    assert (record.strategy, record.world_size, record.global_batch_size) == ("pipeline", 2, DEMO.batch_size)
-    assert record.steps == 2 and record.train_samples == 2 * DEMO.batch_size
-    assert [m.rank for m in record.memory] == [0, 1] and all(m.peak_rss_bytes > 100 * 2**20 for m in record.memory)
-    assert record.pipeline.schedule == "1f1b" and record.pipeline.microbatches == 4 and len(record.pipeline.stages) == 2
-    assert sum(record.sharding.per_rank_param_bytes) == record.sharding.total_param_bytes
-    assert all(0 < b < record.sharding.total_param_bytes for b in record.sharding.per_rank_param_bytes)
-    assert Path(record.tensorboard_dir).is_dir()
+    assert [row["val/top1"] for row in history if "val/top1" in row] == [point.top1 for point in result.validation]
+    assert summary["best/top1"] == result.best_top1
+    assert (result.strategy, result.world_size, result.global_batch_size) == ("pipeline", 2, DEMO.batch_size)
+    assert result.steps == 2 and result.train_samples == 2 * DEMO.batch_size
+    assert [m.rank for m in result.memory] == [0, 1] and all(m.peak_rss_bytes > 100 * 2**20 for m in result.memory)
+    assert result.pipeline.schedule == "1f1b" and result.pipeline.microbatches == 4 and len(result.pipeline.stages) == 2
+    assert sum(result.sharding.per_rank_param_bytes) == result.sharding.total_param_bytes
+    assert all(0 < b < result.sharding.total_param_bytes for b in result.sharding.per_rank_param_bytes)
+    assert Path(result.tensorboard_dir).is_dir()
 
     # The pipeline's validation is hivetrain.evaluate's on the same weights (the best checkpoint is the final one).
     from hivetrain.data import make_datamodule
     from hivetrain.evaluate import evaluate
 
-    (point,) = record.validation
+    (point,) = result.validation
     model = create_model(DEMO.model, seed=DEMO.seed)
-    model.load_state_dict(load_file(str(tmp_path / "checkpoints" / record.name / "best.safetensors")))
+    model.load_state_dict(load_file(str(tmp_path / "checkpoints" / result.name / "best.safetensors")))
     expected = evaluate(model, make_datamodule(DEMO, val_limit=40).val_dataloader())
     assert expected["samples"] == 40
     assert abs(point.loss - expected["loss"]) < 1e-4

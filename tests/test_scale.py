@@ -1,6 +1,6 @@
 """The scale suite (benchmarks/scale.py measures, benchmarks/scale_fit.py fits, benchmarks/scale_page.py writes
 the page; run by benchmarks.bench) at its smallest: one swarm of two peers, its costs and one joiner, and the page
-fitted and extrapolated from that record; and the committed page, rendered again from its record."""
+fitted and extrapolated from that result; and the committed page, rendered again from its result."""
 
 import json
 import re
@@ -18,13 +18,13 @@ def test_scale_smoke():
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench", "scale", "--smoke"], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record_text, page = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
-    record = json.loads(record_text + "\n}")
-    assert record["suite"] == "scale" and record["command"] == "python -m benchmarks.bench scale --smoke"
-    [swarm] = record["result"]["costs"]
+    result_text, page = done.stdout[done.stdout.index("\n{\n") + 1:].split("\n}\n", 1)
+    bench_result = json.loads(result_text + "\n}")
+    assert bench_result["suite"] == "scale" and bench_result["command"] == "python -m benchmarks.bench scale --smoke"
+    [swarm] = bench_result["result"]["costs"]
     assert swarm["peers"] == 2 and swarm["rounds"] >= 1 and 1 <= swarm["group_size_median"] <= 2
     assert swarm["round_bytes"] is not None and swarm["coordinator_cores"] > 0 and swarm["peer_background_cores"] > 0
-    storm = record["result"]["storm"]
+    storm = bench_result["result"]["storm"]
     [joiner] = storm["storm"]
     assert 0 < joiner["state_loaded_s"] <= joiner["first_step_s"]
     # a coordinator that only monitors holds no state: the joiner's download was answered by a training peer
@@ -43,12 +43,12 @@ def test_fit_and_crossing():
     assert scale_fit.crossing(10.0, 1.0, 9.0) == 0.0
 
 
-def test_the_committed_page_renders_again_from_its_record():
-    """logbook/scale.md is exactly what benchmarks.scale_page writes from the record it names: a change to the page's
+def test_the_committed_page_renders_again_from_its_result():
+    """logbook/scale.md is exactly what benchmarks.scale_page writes from the result it names: a change to the page's
     code that changes its text is seen here, and the page then rebuilt (python -m benchmarks.bench scale --page)."""
     page = (ROOT / "logbook" / "scale.md").read_text()
-    record_path = ROOT / re.search(r"from the record `([^`]+)`", page).group(1)
-    assert bench.render("scale", json.loads(record_path.read_text()), record_path, ROOT / "logbook") == page
+    result_path = ROOT / re.search(r"from the bench result `([^`]+)`", page).group(1)
+    assert bench.render("scale", json.loads(result_path.read_text()), result_path, ROOT / "logbook") == page
     assert [line for line in page.splitlines() if line.startswith("#")] == [
         "# Scale: what each peer costs, and joiner storms", "## Measured: swarms of training peers",
         "## Measured: the coordinator's look with lightweight publishers", "## Measured: a joiner storm", "## Fits",

@@ -23,7 +23,7 @@ from hivetrain.config import get_preset
 from hivetrain.model import create_model
 from hivetrain.module import ImageClassifier
 from hivetrain.optimizer import make_optimizer
-from hivetrain.records import RunRecord, read_record
+from hivetrain.run_result import RunResult, read_result
 from hivetrain.speedups import FiniteSteps, all_finite, apply_tf32, inner_loop_speedups
 from hivetrain.swarm_optimizer import _fused_on_cuda_only, optimizer_recipe
 
@@ -110,10 +110,10 @@ def test_baseline_with_compile_trains_and_records_the_speedups(tmp_path, torch_c
         env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "speedups: compile" in result.stdout
-    (path,) = (tmp_path / "records").glob("*.json")
-    record = read_record(path)
-    assert record.steps == 2
-    assert record.speedups == dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=True)
+    (path,) = (tmp_path / "results").glob("*.json")
+    run_result = read_result(path)
+    assert run_result.steps == 2
+    assert run_result.speedups == dict(tf32=False, fused_adamw=False, pinned_memory=False, compile=True)
     with safe_open(str(weights), "pt") as saved:
         assert sorted(saved.keys()) == sorted(create_model(DEMO.model).state_dict())
 
@@ -131,12 +131,12 @@ def test_peer_accepts_compile():
     assert parse_args(["--compile"]).compile and not parse_args([]).compile
 
 
-def test_records_from_before_the_speedups_still_read():
-    raw = json.loads((ROOT / "logbook" / "records" / "demo-single-1x1-20261122-021428.json").read_text())
-    assert "speedups" not in raw and RunRecord.from_dict(raw).speedups is None
-    assert RunRecord.from_dict(dict(raw, speedups=dict(tf32=True))).speedups == dict(tf32=True)
+def test_results_from_before_the_speedups_still_read():
+    raw = json.loads((ROOT / "logbook" / "results" / "demo-single-1x1-20261122-021428.json").read_text())
+    assert "speedups" not in raw and RunResult.from_dict(raw).speedups is None
+    assert RunResult.from_dict(dict(raw, speedups=dict(tf32=True))).speedups == dict(tf32=True)
     with pytest.raises(ValueError, match="speedups.tf32"):
-        RunRecord.from_dict(dict(raw, speedups=dict(tf32="yes")))
+        RunResult.from_dict(dict(raw, speedups=dict(tf32="yes")))
 
 
 def test_finite_steps_tell_each_non_finite_verdict_once():

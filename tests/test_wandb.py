@@ -24,10 +24,10 @@ from hivetrain.roles.coordinator.validator import Validator
 from hivetrain.checkpoint import LocalCheckpointStore
 from hivetrain.data import make_datamodule
 from hivetrain.metrics_store import MetricsWriter
-from hivetrain.records import read_record
+from hivetrain.run_result import read_result
 from hivetrain.telemetry import publish_peer_record
 from hivetrain.wandb_run import WandbScalars, open_wandb_run
-from test_baselines import records_in, run
+from test_baselines import results_in, run
 from test_coordinator import CONFIG as RESUMED, EPOCH, _trained_checkpoint
 from test_monitor import CONFIG, FlakyHolder, _dht, _record
 
@@ -84,14 +84,14 @@ def test_a_baseline_logs_to_an_offline_wandb_run_in_its_out_dir(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
     assert f"W&B: offline run in {run_dir}" in done.stdout
-    record = read_record(records_in(tmp_path)[0])
+    run_result = read_result(results_in(tmp_path)[0])
     header, history, summary = read_wandb_run(run_dir)
     assert (header.project, header.display_name, list(header.tags)) == ("test", "tiny", ["ci", "demo"])
     validations = [row for row in history if "val/top1" in row]
-    assert [row["val/top1"] for row in validations] == [point.top1 for point in record.validation]
+    assert [row["val/top1"] for row in validations] == [point.top1 for point in run_result.validation]
     assert all("trainer/global_step" in row for row in history)  # Lightning's x-axis, as with its own wandb.init
     assert any("train/loss" in row for row in history)
-    assert (summary["best/top1"], summary["best/checkpoint"]) == (record.best_top1, record.best_checkpoint)
+    assert (summary["best/top1"], summary["best/checkpoint"]) == (run_result.best_top1, run_result.best_checkpoint)
     assert summary["best/epoch"] == 1
 
 
@@ -177,7 +177,7 @@ def test_an_unreachable_wandb_server_costs_one_warning_and_the_run_goes_on_offli
     [run_dir] = (tmp_path / "wandb").glob("offline-run-*")
     assert f"logging offline to {run_dir}" in warnings[0]
     _, _, summary = read_wandb_run(run_dir)
-    assert summary["best/top1"] == read_record(records_in(tmp_path)[0]).best_top1
+    assert summary["best/top1"] == read_result(results_in(tmp_path)[0]).best_top1
 
 
 def test_without_the_wandb_package_one_warning_and_no_wandb(tmp_path, monkeypatch, caplog):

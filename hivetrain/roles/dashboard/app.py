@@ -1,6 +1,6 @@
 """The HiveTrain dashboard: a live view of one swarm run, read from the coordinator's metrics store.
 
-    streamlit run hivetrain/roles/dashboard/app.py -- [--store FILE] [--records DIR] [--refresh SECONDS]
+    streamlit run hivetrain/roles/dashboard/app.py -- [--store FILE] [--results DIR] [--refresh SECONDS]
 
 Only the live part of the page (a Streamlit fragment) reruns on each refresh, so the scroll position, the sidebar
 and any choice made on the page stay where the user left them. The store is opened read-only: watching a run can
@@ -23,7 +23,7 @@ from hivetrain.config import RunConfig
 from hivetrain.formatting import fmt_bytes, fmt_pct, fmt_seconds
 from hivetrain.metrics_store import (CheckpointRow, MetricsReader, PeerRow, RollbackRow, RunInfo, StoreError,
                                      StoreMissing, SwarmSnapshot, ValidationRow)
-from hivetrain.records import RunRecord, read_record
+from hivetrain.run_result import RunResult, read_result
 
 # A peer that left is marked so by the coordinator's first look without it ("left"). Until then: peers refresh their
 # DHT record every 5 s and it lapses after 15 s, the coordinator looks every 10 s: within 30 s a peer is surely there.
@@ -40,8 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="HiveTrain dashboard")
     parser.add_argument("--store", type=Path, default=Path("runs/hivetrain-demo/metrics.sqlite"),
                         help="the coordinator's SQLite metrics store")
-    parser.add_argument("--records", type=Path, default=Path("logbook/records"),
-                        help="baseline run records (the defaults: a clone's, from its root)")
+    parser.add_argument("--results", type=Path, default=Path("logbook/results"),
+                        help="baseline run results (the defaults: a clone's, from its root)")
     parser.add_argument("--refresh", type=int, default=5, help="seconds between refreshes, 0 = off")
     return parser.parse_known_args(argv)[0]  # known only: Streamlit may leave its own arguments behind
 
@@ -142,15 +142,15 @@ def checkpoint_rows(checkpoints: list[CheckpointRow], now: float) -> list[dict]:
             for c in checkpoints]
 
 
-def record_row(record: RunRecord) -> dict:
-    return {"run": record.name, "strategy": record.strategy, "world size": record.world_size,
-            "global batch": record.global_batch_size, "samples/s": round(record.samples_per_s, 1),
-            "best top-1": fmt_pct(record.best_top1), "wall time": fmt_seconds(record.wall_time_s),
-            "peak memory": fmt_bytes(record.peak_rss_bytes or None)}
+def result_row(result: RunResult) -> dict:
+    return {"run": result.name, "strategy": result.strategy, "world size": result.world_size,
+            "global batch": result.global_batch_size, "samples/s": round(result.samples_per_s, 1),
+            "best top-1": fmt_pct(result.best_top1), "wall time": fmt_seconds(result.wall_time_s),
+            "peak memory": fmt_bytes(result.peak_rss_bytes or None)}
 
 
 def swarm_row(run_id: str, peers: list[PeerRow], snapshots: list[SwarmSnapshot], best: ValidationRow | None) -> dict:
-    """This run as a baselines row. Its speed is the mean over all snapshots, as a record's is over its training;
+    """This run as a baselines row. Its speed is the mean over all snapshots, as a run result's is over its training;
     its wall time spans the snapshots, so a restarted coordinator does not reset it."""
     return {"run": run_id, "strategy": "swarm (this run)", "world size": len(peers),
             "global batch": snapshots[-1].target_batch_size if snapshots else None,
@@ -160,15 +160,15 @@ def swarm_row(run_id: str, peers: list[PeerRow], snapshots: list[SwarmSnapshot],
             "peak memory": "–"}  # peers do not report their memory to the coordinator
 
 
-def load_records(directory: Path) -> tuple[list[RunRecord], list[str]]:
-    """The readable records of a directory, and one message per file that is not."""
-    records, problems = [], []
+def load_results(directory: Path) -> tuple[list[RunResult], list[str]]:
+    """The readable run results of a directory, and one message per file that is not."""
+    results, problems = [], []
     for path in sorted(directory.glob("*.json")):
         try:
-            records.append(read_record(path))
+            results.append(read_result(path))
         except ValueError as e:  # names the file and the field
             problems.append(str(e))
-    return records, problems
+    return results, problems
 
 
 # --- reading the store ------------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def read_store(path: Path) -> RunView | None:
 # --- rendering --------------------------------------------------------------------------------------------------
 
 
-def show_live(store: Path, records_dir: Path) -> None:
+def show_live(store: Path, results_dir: Path) -> None:
     try:
         view = read_store(store)
     except StoreError as e:
@@ -225,7 +225,7 @@ def show_live(store: Path, records_dir: Path) -> None:
     show_training(view.snapshots)
     show_validation(view.validations, view.best, view.rollbacks)
     show_checkpoints(view.checkpoints, now)
-    show_baselines(view, records_dir)
+    show_baselines(view, results_dir)
 
 
 def show_overview(view: RunView, now: float) -> None:
@@ -324,17 +324,17 @@ def show_checkpoints(checkpoints: list[CheckpointRow], now: float) -> None:
     st.dataframe(pd.DataFrame(checkpoint_rows(checkpoints, now)), hide_index=True)
 
 
-def show_baselines(view: RunView, records_dir: Path) -> None:
+def show_baselines(view: RunView, results_dir: Path) -> None:
     st.subheader("Baselines")
-    records, problems = load_records(records_dir)
+    results, problems = load_results(results_dir)
     for problem in problems:
-        st.warning(f"Skipped a record: {problem}")
-    same_preset = [r for r in records if r.preset == view.run.preset]
+        st.warning(f"Skipped a run result: {problem}")
+    same_preset = [r for r in results if r.preset == view.run.preset]
     if not same_preset:
-        st.info(f"No baseline runs recorded for preset {view.run.preset} yet in {records_dir}. Record one with "
-                f"`python baselines/run.py --strategy ddp --preset {view.run.preset} --record-dir {records_dir}`.")
+        st.info(f"No baseline runs recorded for preset {view.run.preset} yet in {results_dir}. Run one with "
+                f"`python baselines/run.py --strategy ddp --preset {view.run.preset} --result-dir {results_dir}`.")
         return
-    rows = [record_row(r) for r in same_preset] + [swarm_row(view.run.run_id, view.peers, view.snapshots, view.best)]
+    rows = [result_row(r) for r in same_preset] + [swarm_row(view.run.run_id, view.peers, view.snapshots, view.best)]
     st.dataframe(pd.DataFrame(rows), hide_index=True)
 
 
@@ -344,9 +344,9 @@ def main() -> None:
     st.title("HiveTrain")
     refresh = st.sidebar.number_input("Refresh every (seconds, 0 = off)", min_value=0, value=max(args.refresh, 0))
     st.sidebar.caption(f"Metrics store: `{shown_path(args.store)}`")
-    st.sidebar.caption(f"Baseline records: `{shown_path(args.records)}`")
+    st.sidebar.caption(f"Baseline results: `{shown_path(args.results)}`")
     # A fragment reruns alone on its timer; changing the interval reruns the page, which re-creates it.
-    st.fragment(show_live, run_every=refresh or None)(args.store, args.records)
+    st.fragment(show_live, run_every=refresh or None)(args.store, args.results)
 
 
 if __name__ == "__main__":  # Streamlit runs the script as __main__; tests import it for the helpers

@@ -1,8 +1,8 @@
-"""Run records: one JSON file per training run (a baseline or the swarm) with everything the logbook reports.
+"""Run results: one JSON file per training run (a baseline or the swarm) with everything the logbook reports.
 
-A record holds the run's configuration and fingerprint, how it was parallelised, its validation metrics per epoch,
-its speed, memory and utilisation, and where its best weights are. `RunRecord.from_json` checks every field's type
-and raises `ValueError` naming the first bad or missing field, so a malformed record fails loudly in the logbook
+A result holds the run's configuration and fingerprint, how it was parallelised, its validation metrics per epoch,
+its speed, memory and utilisation, and where its best weights are. `RunResult.from_json` checks every field's type
+and raises `ValueError` naming the first bad or missing field, so a malformed result fails loudly in the logbook
 instead of rendering as a wrong number.
 """
 
@@ -96,14 +96,14 @@ class BatchSearch:
 
 
 @dataclass
-class RunRecord:
-    name: str  # unique per run: also the record's file name
+class RunResult:
+    name: str  # unique per run: also the result's file name
     experiment: str  # the logbook page it belongs to (default: the preset)
     strategy: str  # one of STRATEGIES
     preset: str
     config: dict[str, Any]  # RunConfig.to_dict()
     fingerprint: str  # RunConfig.fingerprint
-    command: str  # the exact command line that produced this record
+    command: str  # the exact command line that produced this result
     started_at: str  # ISO 8601, UTC
     host: str
     accelerator: str  # "cpu" or "cuda"
@@ -138,7 +138,7 @@ class RunRecord:
     nvidia_smi_log: Optional[str] = None  # raw `nvidia-smi -l 1` output of rank 0's node, when the binary exists
     cpu_count: Optional[int] = None  # logical CPUs of rank 0's machine: with system_cpu_percent, the load of others
     # inner-loop speedups that were on (hivetrain.speedups): tf32, fused_adamw, pinned_memory, compile; None in
-    # records from before they were recorded
+    # results from before they were recorded
     speedups: Optional[dict[str, bool]] = None
     notes: str = ""
     schema: int = SCHEMA_VERSION
@@ -158,11 +158,11 @@ class RunRecord:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
 
     @classmethod
-    def from_dict(cls, raw: Any) -> RunRecord:
+    def from_dict(cls, raw: Any) -> RunResult:
         return _build(cls, raw, "")
 
     @classmethod
-    def from_json(cls, text: str) -> RunRecord:
+    def from_json(cls, text: str) -> RunResult:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -189,7 +189,7 @@ class RunRecord:
 def _build(cls: type, raw: Any, where: str) -> Any:
     """Decode a dataclass from JSON data, checking each field against its annotation."""
     if not isinstance(raw, dict):
-        raise ValueError(f"{where or 'record'}: expected an object, got {type(raw).__name__}")
+        raise ValueError(f"{where or 'result'}: expected an object, got {type(raw).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
@@ -248,7 +248,7 @@ def _check(hint: Any, value: Any, path: str) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"field '{path}': expected a string, got {_describe(value)}")
         return value
-    raise TypeError(f"records.py cannot decode {hint!r} (field '{path}')")  # a bug in the dataclasses above
+    raise TypeError(f"run_result.py cannot decode {hint!r} (field '{path}')")  # a bug in the dataclasses above
 
 
 def _describe(value: Any) -> str:
@@ -259,26 +259,26 @@ def _describe(value: Any) -> str:
 # --- files ------------------------------------------------------------------------------------------------------
 
 
-def read_record(path: str | Path) -> RunRecord:
-    """A record from its file; the error names the file and the field."""
+def read_result(path: str | Path) -> RunResult:
+    """A result from its file; the error names the file and the field."""
     path = Path(path)
     try:
-        return RunRecord.from_json(path.read_text())
+        return RunResult.from_json(path.read_text())
     except OSError as e:
         raise ValueError(f"{path}: cannot read: {e.strerror}") from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 
 
-def write_record(record: RunRecord, directory: str | Path) -> Path:
-    """Write `<directory>/<record.name>.json` atomically, so readers never see half a record."""
-    return atomic_write(Path(directory) / f"{record.name}.json", record.to_json())
+def write_result(result: RunResult, directory: str | Path) -> Path:
+    """Write `<directory>/<result.name>.json` atomically, so readers never see half a result."""
+    return atomic_write(Path(directory) / f"{result.name}.json", result.to_json())
 
 
 def store_checkpoint(weights_path: str | Path, config: RunConfig, epoch: int, metrics: dict, store: str | Path,
                      endpoint_url: Optional[str] = None) -> str:
     """Put the best weights into the checkpoint store (a folder, or s3://bucket/prefix) as the run's best checkpoint;
-    returns the URI the record keeps. The same store the coordinator uses, so --checkpoint-store s3://... works."""
+    returns the URI the result keeps. The same store the coordinator uses, so --checkpoint-store s3://... works."""
     from safetensors.torch import load_file
 
     from hivetrain.checkpoint import Checkpoint
