@@ -17,7 +17,7 @@ grows, and joiner storms, extrapolated: benchmarks.scale, the whole of logbook/s
 
 A suite is a function (work folder, smoke) -> JSON-able result and a function (result, environment, page folder) ->
 its Markdown, in a module of its own (benchmarks.join, .throughput, .links, .communication, .convergence, .churn,
-.monitor, .relay, .defences for attacks, .scale with .scale_fit and .scale_page) on top of benchmarks.harness and
+.monitor, .relay, .attacks, .scale with .scale_fit and .scale_page) on top of benchmarks.harness and
 benchmarks.report, registered in SUITES: a section ("## SUITE") of its page, or a whole page ("# ..."). The
 environment it gets also names the command that measured it and the result's path.
 """
@@ -39,7 +39,7 @@ from typing import Optional
 from benchmarks.churn import churn_section, churn_suite
 from benchmarks.communication import communication_section, communication_suite
 from benchmarks.convergence import convergence_section, convergence_suite
-from benchmarks.defences import attacks_section, attacks_suite
+from benchmarks.attacks import attacks_section, attacks_suite
 from benchmarks.harness import ROOT, git_commit
 from benchmarks import report
 from benchmarks.report import RESULTS, newest_result  # noqa: F401 (the tests read results through bench)

@@ -244,7 +244,7 @@ def start_peer(work: Path, name: str, addresses: list[str], options: list[str], 
                echo: Optional[Callable[[str], None]] = None, program: Sequence[str] = ("peers/join.py",),
                cpu_every: float = 1.0) -> Process:
     """A peer called `name` joining the swarm at `addresses`, its log and events in `work/<name>.*`; `program`: what
-    runs in place of peers/join.py, taking its arguments (a malicious peer: benchmarks/attacks.py ATTACK);
+    runs in place of peers/join.py, taking its arguments (a malicious peer: benchmarks/attacker.py ATTACK);
     `cpu_every`: seconds between two samples of its CPU time."""
     return Process([*program, "--initial-peers", *addresses, "--name", name, *options], work / f"{name}.log",
                    prefix=prefix, events=work / f"{name}.events", sample_cpu=True, sample_every=cpu_every, echo=echo)

@@ -1,4 +1,4 @@
-"""A malicious volunteer in a diloco run on loopback: three honest peers and one (benchmarks/attacks.py) that sends its
+"""A malicious volunteer in a diloco run on loopback: three honest peers and one (benchmarks/attacker.py) that sends its
 pseudo-gradient x1000 in every round. Without a defence the honest peers' model is ruined; with centered-clip inside
 the all-reduce it keeps training (over 70% top-1 on the held-out digits after three rounds)."""
 
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from benchmarks.attacks import Contribution
+from benchmarks.attacker import Contribution
 from conftest import ROUND_LINE, Process, start_coordinator
 from hivetrain.config import get_preset
 from hivetrain.data import make_datamodule
@@ -52,7 +52,7 @@ def attacked_run(request, tmp_path_factory):
                   "--stop-at-epoch", str(STOP_AT))
         peers = {name: spawn(name, "peers/join.py", *common, "--name", name,
                              "--save-weights", str(tmp / f"{name}.safetensors")) for name in HONEST}
-        peers["attacker"] = spawn("attacker", "benchmarks/attacks.py", ATTACK, *common, "--name", "attacker")
+        peers["attacker"] = spawn("attacker", "benchmarks/attacker.py", ATTACK, *common, "--name", "attacker")
         codes = {name: peer.wait(timeout=240) for name, peer in peers.items()}
         yield defence, tmp, coordinator, peers, codes
     finally:
@@ -113,7 +113,7 @@ def test_an_attack_starts_at_its_round_or_once_its_trigger_file_exists(tmp_path)
 def test_the_sync_attack_replaces_the_gradients_a_peer_loads_for_averaging(monkeypatch):
     from hivemind.optim.grad_averager import GradientAverager
 
-    from benchmarks.attacks import attack_sync
+    from benchmarks.attacker import attack_sync
     from hivetrain.hivemind_internals import PatchedOptimizer
     from hivetrain.swarm import DHTOptions, start_dht
 

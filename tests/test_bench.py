@@ -180,7 +180,7 @@ def test_attacks_suite_smoke():
 
 
 def test_rollback_recovery_counts_from_the_first_poisoned_state_to_the_last_peer_back():
-    from benchmarks.defences import rollback_recovery
+    from benchmarks.attacks import rollback_recovery
 
     def epochs(*pairs):
         return [dict(epoch=epoch, time=t) for epoch, t in pairs]

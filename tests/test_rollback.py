@@ -3,7 +3,7 @@
 The unit test runs real DHT nodes on loopback: a coordinator that signs a genuine record, a forger that writes under
 the same key with its own key, unsigned and malformed, and a peer that must act on the genuine record only. The
 end-to-end test runs a coordinator with --rollback-drop and two demo peers, in each swarm mode, one of which turns
-attacker once the coordinator has validated a good state (benchmarks/attacks.py): the coordinator's validation sees
+attacker once the coordinator has validated a good state (benchmarks/attacker.py): the coordinator's validation sees
 top-1 collapse, serves the best checkpoint again, and both peers take it and say so.
 """
 
@@ -126,7 +126,7 @@ def test_a_restarted_coordinator_signs_with_the_same_key(spawn, tmp_path):
 
 DROP = 20  # top-1 points: the attacked model falls to about chance (10%)
 # The attacker plays honest until the coordinator has validated a best state well above chance (its trigger file:
-# benchmarks/attacks.py ATTACK@PATH). Three honest rounds raced the coordinator: demo rounds of under a second had
+# benchmarks/attacker.py ATTACK@PATH). Three honest rounds raced the coordinator: demo rounds of under a second had
 # passed them before its first validation, which saw the attacked model at chance, with nothing to fall from.
 GOOD_BEST_LINE = r"^validation at swarm epoch \d+: top-1 (0\.[5-9]|1\.0)\d*, .* \(best so far\)$"  # top-1 >= 0.5
 ROLLBACK_LINE = (r"^Rollback (\d+): validation at swarm epoch (\d+) saw top-1 fall to ([\d.]+)%; the swarm goes back to"
@@ -151,7 +151,7 @@ def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_p
     common = ("--host", "127.0.0.1", "--initial-peers", *addresses, "--threads", "1", "--min-peers", "2")
     peers = {"honest": spawn("honest", "peers/join.py", *common, "--name", "honest", *honest_options,
                              events=tmp_path / "honest.jsonl"),
-             "attacker": spawn("attacker", "benchmarks/attacks.py", f"{attack}@{tmp_path / 'attack'}", *common,
+             "attacker": spawn("attacker", "benchmarks/attacker.py", f"{attack}@{tmp_path / 'attack'}", *common,
                                "--name", "attacker", events=tmp_path / "attacker.jsonl")}
     coordinator.wait_for(GOOD_BEST_LINE, timeout=150)
     (tmp_path / "attack").touch()

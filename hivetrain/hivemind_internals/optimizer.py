@@ -43,7 +43,7 @@ class PatchedOptimizer(hivemind.Optimizer):
 
     tracker_class: type[ProgressTracker] = HookedProgressTracker
     # hivemind's GradientAverager, or a subclass of it under its name (named_for_rpc_as): an attacker's, in
-    # benchmarks/attacks.py
+    # benchmarks/attacker.py
     gradient_averager_class: type[GradientAverager] = GradientAverager
     missed_round = False
 
