@@ -16,7 +16,10 @@ from hivetrain.model import create_model, load_weights
 
 STOP_AT = 32  # rounds take about 2 s here: the late joiner, up within ~10 s, still trains several
 DIES_AT = 3  # the outer round in which peer d dies
-DILOCO = ("--preset", "demo", "--mode", "diloco", "--overlap-rounds", "--inner-steps", "8")
+# The DiLoCo paper's outer step, so that the outer momentum travels with checkpoints and state downloads (the default,
+# plain averaging, has none)
+DILOCO = ("--preset", "demo", "--mode", "diloco", "--overlap-rounds", "--inner-steps", "8", "--outer-lr", "0.7",
+          "--outer-momentum", "0.9")
 
 
 @pytest.fixture(scope="module")
