@@ -458,7 +458,8 @@ DILOCO_SCHEDULES = {
 @pytest.mark.parametrize("name", sorted(DILOCO_SCHEDULES))
 def test_diloco_steps_any_torch_schedule_per_inner_step(name):
     """In diloco mode the module's scheduler steps after every inner step, whatever interval the module asked for,
-    and the rounds (every 3 inner steps, alone) keep it there: the LR of inner step i is the schedule's i-th value."""
+    and the rounds (every 3 inner steps, alone) keep it there: the LR of inner step i is the schedule's i-th value.
+    Blocking rounds: an overlapped round due at step 6 may still be in flight when step 7, the last, ends."""
     torch.set_num_threads(1)
     make_schedule = DILOCO_SCHEDULES[name]
     reference_optimizer = torch.optim.SGD(torch.nn.Linear(8, 1).parameters(), lr=0.1, momentum=0.9)
@@ -472,7 +473,7 @@ def test_diloco_steps_any_torch_schedule_per_inner_step(name):
     module = _ScheduledRegression(make_schedule)
     strategy = HivemindStrategy(
         HivemindOptions(run_id=f"test_diloco_schedule_{name}", target_batch_size=16, batch_size=16, mode="diloco",
-                        inner_steps=3, matchmaking_time=0.5),
+                        inner_steps=3, matchmaking_time=0.5, overlap_rounds=False),
         network=DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
     )
     seen = _fit(module, strategy, steps=7)
