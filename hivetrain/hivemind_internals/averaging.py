@@ -275,8 +275,8 @@ class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, Ans
 
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
-    # The one holder downloads ask (a base58 peer ID), None: any, as above. Set through downloading_only_from: a
-    # keyword would reach hivemind's gradient averager too, whose load hivemind.Optimizer calls with the same ones.
+    # The one holder downloads ask (a base58 peer ID), None: any, as above. Set through downloading_only_from, not as
+    # a keyword of the load: hivemind.Optimizer's load passes its keywords to the gradient averager's load too.
     only_holder: Optional[str] = None
 
     @contextlib.contextmanager

@@ -4,6 +4,7 @@ its state averager's schedule caught up from outside."""
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import hivemind
@@ -14,6 +15,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivetrain.hivemind_internals.averaging import (BoundedStateAverager, members_only_class,
                                                     robust_averager_class)
 from hivetrain.hivemind_internals.records import HookedProgressTracker
+
+logger = logging.getLogger(__name__)
 
 
 # --- hivemind.Optimizer and its state averager --------------------------------------------------------------------
@@ -39,6 +42,7 @@ class PatchedOptimizer(hivemind.Optimizer):
     - `missed_round` tells whether the last step's gradient averaging round failed while one was begun.
     - Its state averager is a BoundedStateAverager: a downloaded state's epoch is bounded, its optimizer settings
       are not taken.
+    - A download of the swarm's state is tried once (see load_state_from_peers).
     """
 
     tracker_class: type[ProgressTracker] = HookedProgressTracker
@@ -55,6 +59,39 @@ class PatchedOptimizer(hivemind.Optimizer):
         # only on a pre-scheduled round: it never measured one, and every state averaging round looked for its group
         # after the epoch's end, for the whole matchmaking time. A first estimate of no delay lets it pre-schedule.
         self.delay_before_state_averaging.update(task_size=1, interval=0.0)
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """hivemind's download of the swarm's state, tried once, and of the state averager's state only.
+
+        hivemind retries without end while a download raises, and after the state it downloads a holder's gradient
+        averager's buffers, which it then drops: GradientAverager keeps the base averager's load, which returns the
+        tensors and applies nothing, and the accumulated gradients are reset right after. In tests/test_faults.py
+        (sync), after a groupmate was killed mid-round, a peer's load raised hivemind's "Failed to load state from
+        peers: , retrying ..." every 60 s (load_state_timeout) until the fixture gave up: it never trained again. A
+        failed try now leaves the peer as it was, with one warning; its next step, still behind the swarm, tries
+        again, with the progress records read in between (hivemind pauses their updates during the load)."""
+        if self.scheduled_grads is not None and not self.scheduled_grads.done():
+            # the round may have begun: hivemind tags along with weight 0 rather than leave the others waiting
+            self._tag_along_with_zero_weight(self.scheduled_grads)
+            self.scheduled_grads = None
+        self.state_averager.step(wait_for_delayed_updates=True)
+        with self.tracker.pause_updates():
+            try:
+                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+            except Exception as e:
+                logger.warning(f"Could not download the swarm's state ({type(e).__name__}: {e}); trying again at a"
+                               f" later step")
+                return
+            # as hivemind goes on after a download
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                self.state_averager.local_epoch = self.tracker.global_epoch
+            self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+            if not self.client_mode:
+                self.state_averager.state_sharing_priority = self.local_epoch
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+                if not self.client_mode:
+                    self.grad_averager.state_sharing_priority = self.local_epoch
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
         return self.tracker_class(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
