@@ -44,7 +44,7 @@ dist: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh
-	$(PY) -m pytest -v --durations=25
+	$(PY) -m pytest -v --durations=25 -n 2 --dist loadgroup
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
