@@ -514,6 +514,51 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
             peer.shutdown()
 
 
+def test_an_overlapped_paced_peer_a_grid_time_ahead_falls_in_with_the_others(dhts):
+    """A peer whose first round fell due a grid time before the other's (it had trained a step by then, the other
+    not yet: `make demo`'s second peer) waits in that round for the other. Its next round is due before the first
+    lands: it moves to the grid's next time, where the other's falls due too, rather than start at the landing, alone
+    and a grid time ahead once more, round after round. From then on both start each round at the same grid time,
+    their groups found ahead, and neither waits."""
+    seconds, last_round = 3.0, 4
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    rounds = [DiLoCoRounds(dht, "test_paced_ahead", list(model.parameters()), inner_steps=4, batch_size=1,
+                           outer_lr=1.0, outer_momentum=0.0, matchmaking_time=1.0, averaging_timeout=10.0,
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
+                           overlap=True, round_seconds=seconds)
+              for dht, model in zip(dhts(2), models)]
+    due_times: list[list[float]] = [[], []]
+    waited = [0.0, 0.0]  # by the last step (the end lands the last round, waiting for it)
+
+    def after_step(index: int, due: Optional[float]) -> None:
+        waited[index] = rounds[index].wait_seconds
+        if rounds[index].inner_steps_since_round == 0:
+            due_times[index].append(due)
+
+    try:
+        for peer in rounds:
+            peer.tracker.report_local_progress(0, 1)
+        deadline = time.monotonic() + 30
+        while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
+            assert time.monotonic() < deadline, "the peers never saw each other"
+            time.sleep(0.1)
+        start = next_round_time(time.time(), seconds)
+        rounds[0].next_round_at, rounds[1].next_round_at = start + seconds, start  # the second is a grid time ahead
+        _train_together(rounds, models, (0.05, 0.05), last_round, seconds=60, after_step=after_step)
+        assert [peer.round for peer in rounds] == [last_round] * 2
+        assert due_times[1][0] == start and due_times[0][0] == start + seconds, due_times
+        assert due_times[0][1:] == due_times[1][1:], due_times  # the same grid times after the first round
+        assert waited == [0.0, 0.0], waited
+        assert all(peer.rounds_averaged == last_round for peer in rounds), [p.rounds_averaged for p in rounds]
+        assert all(peer.rounds_group_ready >= 2 for peer in rounds), [p.rounds_group_ready for p in rounds]
+        torch.testing.assert_close(_flat(rounds[0].outer.outer_parameters), _flat(rounds[1].outer.outer_parameters),
+                                   rtol=0, atol=1e-5)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+
+
 def test_a_new_round_reads_the_others_records_soon_whatever_the_last_read_planned(dhts):
     """hivemind plans each read of the progress records at the one before, from the peers' rates then: with none (or
     rates near zero, before the first steps) that plan lies seconds ahead, and the diloco rounds that began meanwhile
