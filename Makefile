@@ -44,7 +44,7 @@ dist: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh
-	$(PY) -m pytest -v --durations=25 -n 2 --dist loadgroup
+	$(PY) -m pytest -v --durations=25
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

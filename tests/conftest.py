@@ -171,28 +171,3 @@ class TakeoverRows:
 @pytest.fixture(scope="session")
 def takeover_rows() -> TakeoverRows:
     return TakeoverRows(RELIABILITY_PAGE)
-
-
-# `make test` spreads the tests over two workers (pytest-xdist, `--dist loadgroup`): most of a swarm test's time is
-# its processes' imports and rounds paced by the clock, which leave the second core idle. Each file's tests stay on
-# one worker, where its module fixtures (a swarm started once for several tests) live; the benchmark smokes, which
-# share nothing, go one by one. The tests that build network namespaces share one worker: their subnets are fixed
-# (benchmarks.netns), and two namespaces of one subnet at once would clash.
-NETWORK_NAMESPACE_FILES = ("test_faults.py", "test_nat.py", "test_netns.py")
-NETWORK_NAMESPACE_SMOKES = ("test_links_suite_smoke", "test_relay_suite_smoke")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        file = item.path.name
-        if file in NETWORK_NAMESPACE_FILES or item.name in NETWORK_NAMESPACE_SMOKES:
-            group = "network namespaces"
-        elif file == "test_bench.py":
-            group = item.nodeid
-        else:
-            group = file
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): the worker group of a test under `--dist loadgroup`")
