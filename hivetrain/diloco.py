@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 from hivemind import DHT
-from hivemind.averaging.control import StepControl
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
@@ -224,15 +224,19 @@ class DiLoCoRounds:
     def _next_round_due(self) -> bool:
         """While a round is in flight: whether this peer's next one is due already (it must wait for the last).
 
-        Rounds paced in seconds never wait: a round still in flight at the grid's time for the next one moves that
-        one to the grid's next time, and the peer trains on meanwhile. Waiting for the landing and then starting at
-        once put the peer off the others' grid for good: each of its rounds then started alone, a grid time before
-        theirs, and looked for them until they came (`make demo` at 6559770: a peer whose first round fell due
-        after one step had none of its 6 groups ready when due, its rounds in flight 1.5-2.3 s of each 2 s, and it
-        trained 36% fewer samples than its groupmate)."""
+        Rounds paced in seconds wait only for a group that waits for this peer: one looked for ahead and found,
+        whose groupmates send their parts as their rounds fall due. Otherwise a round still in flight at the grid's
+        time for the next one moves that one to the grid's next time, and the peer trains on meanwhile. Waiting for
+        the landing and then starting at once, alone, put the peer off the others' grid for good: each of its rounds
+        then started a grid time before theirs and looked for them until they came (`make demo` at 6559770: a peer
+        whose first round fell due after one step had none of its 6 groups ready when due, its rounds in flight
+        1.5-2.3 s of each 2 s, and it trained 36% fewer samples than its groupmate)."""
         if self.next_round_at is not None:
-            if time.time() >= self.next_round_at:
-                self.next_round_at = next_round_time(time.time(), self.round_seconds)
+            if time.time() < self.next_round_at:
+                return False
+            if self.scheduled is not None and self.scheduled[1].stage == AveragingStage.AWAITING_TRIGGER:
+                return True
+            self.next_round_at = next_round_time(time.time(), self.round_seconds)
             return False
         return self.inner_steps_since_round >= self.inner_steps
 
