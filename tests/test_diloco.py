@@ -463,19 +463,43 @@ def test_overlapped_rounds_land_the_outer_step_and_keep_the_inner_steps_taken_me
         torch.testing.assert_close(_flat(model.parameters()), outer, rtol=0, atol=1e-5)
 
 
+def _paced_pair(dhts, run_id: str, seconds: float, overlap: bool, outer_lr: float,
+                outer_momentum: float) -> tuple[list[DiLoCoRounds], list[torch.nn.Module]]:
+    """Two peers of one small model, their rounds paced every `seconds`, each having reported a sample of round 0 and
+    counting the other in the swarm's records."""
+    models = [torch.nn.Linear(6, 3) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    rounds = [DiLoCoRounds(dht, run_id, list(model.parameters()), inner_steps=4, batch_size=1, outer_lr=outer_lr,
+                           outer_momentum=outer_momentum, matchmaking_time=1.0, averaging_timeout=10.0,
+                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
+                           overlap=overlap, round_seconds=seconds)
+              for dht, model in zip(dhts(2), models)]
+    try:
+        for peer in rounds:
+            peer.tracker.report_local_progress(0, 1)
+        deadline = time.monotonic() + 30
+        while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
+            assert time.monotonic() < deadline, "the peers never saw each other"
+            time.sleep(0.1)
+    except BaseException:
+        for peer in rounds:
+            peer.shutdown()
+        raise
+    return rounds, models
+
+
+def _assert_same_outer_parameters(rounds: list[DiLoCoRounds]) -> None:
+    torch.testing.assert_close(_flat(rounds[0].outer.outer_parameters), _flat(rounds[1].outer.outer_parameters),
+                               rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
 def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_time(dhts, overlap):
     """Two peers whose steps take 0.02 s and 0.25 s, in rounds of 3 s: their rounds fall due at the same times of the
     clock's grid, each takes the inner steps its speed fits (the fast one many more), their groups are looked for
     ahead and stand ready when the rounds fall due, and they end at the same outer parameters."""
     seconds, step_times, last_round = 3.0, (0.02, 0.25), 3
-    models = [torch.nn.Linear(6, 3) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    rounds = [DiLoCoRounds(dht, "test_paced", list(model.parameters()), inner_steps=4, batch_size=1, outer_lr=0.7,
-                           outer_momentum=0.9, matchmaking_time=1.0, averaging_timeout=10.0,
-                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
-                           overlap=overlap, round_seconds=seconds)
-              for dht, model in zip(dhts(2), models)]
+    rounds, models = _paced_pair(dhts, "test_paced", seconds, overlap, outer_lr=0.7, outer_momentum=0.9)
     due_times: list[list[float]] = [[], []]  # when each round a peer started had fallen due
     steps_per_round: list[list[int]] = [[], []]
 
@@ -485,12 +509,6 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
             steps_per_round[index].append(rounds[index].last_round_steps)
 
     try:
-        for peer in rounds:
-            peer.tracker.report_local_progress(0, 1)
-        deadline = time.monotonic() + 30
-        while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
-            assert time.monotonic() < deadline, "the peers never saw each other"
-            time.sleep(0.1)
         # Each peer took its next grid time when it was built, seconds apart: a grid line between the two made their
         # first rounds differ by one period. A peer that joins takes it afresh when it loads the swarm's state (the
         # strategy does before the first step); these two start together, from one grid time.
@@ -507,8 +525,7 @@ def test_rounds_paced_in_seconds_share_one_schedule_whatever_each_peers_step_tim
         fast, slow = (sorted(steps[1:])[len(steps[1:]) // 2] for steps in steps_per_round)
         assert fast > 3 * slow, steps_per_round
         assert all(peer.rounds_group_ready >= 1 for peer in rounds), [p.rounds_group_ready for p in rounds]
-        torch.testing.assert_close(_flat(rounds[0].outer.outer_parameters), _flat(rounds[1].outer.outer_parameters),
-                                   rtol=0, atol=1e-5)
+        _assert_same_outer_parameters(rounds)
     finally:
         for peer in rounds:
             peer.shutdown()
@@ -521,13 +538,7 @@ def test_an_overlapped_paced_peer_a_grid_time_ahead_falls_in_with_the_others(dht
     and a grid time ahead once more, round after round. From then on both start each round at the same grid time,
     their groups found ahead, and neither waits."""
     seconds, last_round = 3.0, 4
-    models = [torch.nn.Linear(6, 3) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    rounds = [DiLoCoRounds(dht, "test_paced_ahead", list(model.parameters()), inner_steps=4, batch_size=1,
-                           outer_lr=1.0, outer_momentum=0.0, matchmaking_time=1.0, averaging_timeout=10.0,
-                           next_chunk_timeout=NEXT_CHUNK_TIMEOUT, load_state_timeout=20.0, private_key=RSAPrivateKey(),
-                           overlap=True, round_seconds=seconds)
-              for dht, model in zip(dhts(2), models)]
+    rounds, models = _paced_pair(dhts, "test_paced_ahead", seconds, overlap=True, outer_lr=1.0, outer_momentum=0.0)
     due_times: list[list[float]] = [[], []]
     waited = [0.0, 0.0]  # by the last step (the end lands the last round, waiting for it)
 
@@ -537,12 +548,6 @@ def test_an_overlapped_paced_peer_a_grid_time_ahead_falls_in_with_the_others(dht
             due_times[index].append(due)
 
     try:
-        for peer in rounds:
-            peer.tracker.report_local_progress(0, 1)
-        deadline = time.monotonic() + 30
-        while min(peer.tracker.global_progress.num_peers for peer in rounds) < 2:
-            assert time.monotonic() < deadline, "the peers never saw each other"
-            time.sleep(0.1)
         start = next_round_time(time.time(), seconds)
         rounds[0].next_round_at, rounds[1].next_round_at = start + seconds, start  # the second is a grid time ahead
         _train_together(rounds, models, (0.05, 0.05), last_round, seconds=60, after_step=after_step)
@@ -552,8 +557,7 @@ def test_an_overlapped_paced_peer_a_grid_time_ahead_falls_in_with_the_others(dht
         assert waited == [0.0, 0.0], waited
         assert all(peer.rounds_averaged == last_round for peer in rounds), [p.rounds_averaged for p in rounds]
         assert all(peer.rounds_group_ready >= 2 for peer in rounds), [p.rounds_group_ready for p in rounds]
-        torch.testing.assert_close(_flat(rounds[0].outer.outer_parameters), _flat(rounds[1].outer.outer_parameters),
-                                   rtol=0, atol=1e-5)
+        _assert_same_outer_parameters(rounds)
     finally:
         for peer in rounds:
             peer.shutdown()
