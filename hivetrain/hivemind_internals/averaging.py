@@ -276,7 +276,8 @@ class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, Ans
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
     # The one holder downloads ask (a base58 peer ID), None: any, as above. Set through downloading_only_from, not as
-    # a keyword of the load: hivemind.Optimizer's load passes its keywords to the gradient averager's load too.
+    # a keyword of the load: the callers reach it through loads that take none (DiLoCoRounds.load_state_from_peers,
+    # the rollback's wait_for_state).
     only_holder: Optional[str] = None
 
     @contextlib.contextmanager
