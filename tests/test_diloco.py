@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -557,6 +558,46 @@ def test_an_overlapped_paced_peer_a_grid_time_ahead_falls_in_with_the_others(dht
         assert waited == [0.0, 0.0], waited
         assert all(peer.rounds_averaged == last_round for peer in rounds), [p.rounds_averaged for p in rounds]
         assert all(peer.rounds_group_ready >= 2 for peer in rounds), [p.rounds_group_ready for p in rounds]
+        _assert_same_outer_parameters(rounds)
+    finally:
+        for peer in rounds:
+            peer.shutdown()
+
+
+def test_a_group_looked_for_ahead_stands_when_a_landed_round_moves_the_peers_round_number(dhts):
+    """A run without robust aggregation looks for every round's group under one key. Peer a looked ahead for its
+    round 0 and found b, a joiner that loaded a state mid-round and counts round 1 (catching up). Before the round
+    falls due, a's round in flight lands it at round 1, brought up by such a groupmate's number. b waits in that group
+    for a's part: a starts its round 1 in it, rather than drop it and leave b to wait out its chunk timeout (`make
+    demo`'s peers then both failed the round and ended 0.086 apart)."""
+    seconds = 3.0
+    rounds, _ = _paced_pair(dhts, "test_moved_round", seconds, overlap=True, outer_lr=1.0, outer_momentum=0.0)
+    a, b = rounds
+    try:
+        b.outer.round, b.outer.catching_up = 1, True
+        due = next_round_time(time.time() + 2 * seconds, seconds)
+        for peer in rounds:
+            peer.next_round_at = due
+            peer.samples = peer.inner_steps_since_round = 1
+        deadline = time.monotonic() + 30
+        while not all(peer.scheduled for peer in rounds):
+            assert time.monotonic() < deadline, "no peer looked ahead for its round's group"
+            for peer in rounds:
+                peer._maybe_schedule_round()
+            time.sleep(0.05)
+        assert [peer.scheduled[0] for peer in rounds] == [0, 1]
+        while not all(peer.scheduled[1].stage == AveragingStage.AWAITING_TRIGGER for peer in rounds):
+            assert time.monotonic() < deadline, [peer.scheduled[1].stage for peer in rounds]
+            time.sleep(0.05)
+        a.outer.round = 1  # what its round in flight landing with b's round number gathered does (OuterState)
+        time.sleep(max(0.0, due - time.time()))
+        for peer in rounds:
+            peer.start_round()
+        for peer in rounds:
+            assert peer.finish_round(timeout=60)
+        assert [peer.rounds_averaged for peer in rounds] == [1, 1], [(p.rounds_alone, p.rounds_failed) for p in rounds]
+        assert [peer.rounds_group_ready for peer in rounds] == [1, 1]
+        assert [peer.round for peer in rounds] == [2, 2]
         _assert_same_outer_parameters(rounds)
     finally:
         for peer in rounds:
