@@ -97,3 +97,13 @@ def test_the_status_line_counts_the_peers_in_client_mode():
     assert "| 2 peers (1 in client mode) |" in line(2, 1)
     assert "| 1 peer (1 in client mode) |" in line(1, 1)
     assert "client mode" not in line(2, 0)
+
+
+def test_the_status_line_gives_no_target_before_a_paced_round_has_one():
+    """A round paced in seconds has as many samples as the swarm trains in that time: none known before the peers'
+    records state a rate, and the line shows the samples alone rather than "64/0"."""
+    def line(target: int) -> str:
+        return status_line(SwarmSnapshot(0.0, 3, 2, 0, 0.0, 64, target, 1.5, None), 0.1)
+
+    assert "| 64 samples toward the next epoch, next in ~2 s |" in line(0)
+    assert "| 64/128 samples toward the next epoch" in line(128)

@@ -34,8 +34,9 @@ def run_app(monkeypatch, store: Path, results: Path) -> AppTest:
 
 
 def write_run(path: Path, peers: list[PeerRow], top1s: list[float], checkpoints: list[CheckpointRow] = (),
-              config=get_preset("demo")) -> None:
-    """A demo-preset run: the given peers, five snapshots (epochs 0..4) and one validation per top-1 (epochs 1..)."""
+              config=get_preset("demo"), target: int = 128) -> None:
+    """A demo-preset run: the given peers, five snapshots (epochs 0..4) of 64 samples toward `target`, and one
+    validation per top-1 (epochs 1..)."""
     now = time.time()
     with MetricsWriter(path) as writer:
         writer.set_run(RunInfo("hivetrain-demo", "demo", config.fingerprint, config.to_json(),
@@ -43,7 +44,7 @@ def write_run(path: Path, peers: list[PeerRow], top1s: list[float], checkpoints:
                                now - 600))
         writer.upsert_peers(peers)
         for epoch in range(5):
-            writer.add_snapshot(SwarmSnapshot(now - 50 + 10 * epoch, epoch, 2, 1, 100.0 + 10 * epoch, 64, 128, 12.0,
+            writer.add_snapshot(SwarmSnapshot(now - 50 + 10 * epoch, epoch, 2, 1, 100.0 + 10 * epoch, 64, target, 12.0,
                                               2.0 - 0.3 * epoch))
         for epoch, top1 in enumerate(top1s, 1):
             writer.add_validation(ValidationRow(now - 60 + 10 * epoch, epoch, 1.0 / epoch, top1, top1 + 0.02, 360))
@@ -127,6 +128,17 @@ def test_running_swarm(monkeypatch, tmp_path):
     assert '"shape": "diamond"' in charts[4].proto.spec  # the best point marked on the accuracy chart
     assert any("swarm epoch **3**" in m.value for m in at.markdown)
     assert any("No checkpoint yet" in c.value for c in at.caption)
+    [progress] = at.get("progress")
+    assert progress.proto.text == "64 of 128 samples toward swarm epoch 5" and progress.proto.value == 50
+
+
+def test_a_round_paced_in_seconds_shows_its_samples_alone_before_its_size_is_known(monkeypatch, tmp_path):
+    """A round paced in seconds is what the swarm trains in that time: the coordinator stores a target of 0 until the
+    peers' records state a rate, and the dashboard shows no "64 of 1" for it."""
+    store = tmp_path / "metrics.sqlite"
+    write_run(store, [peer("alpha", 900, 3)], [0.5], target=0)
+    [progress] = run_app(monkeypatch, store, tmp_path).get("progress")
+    assert progress.proto.text == "64 samples toward swarm epoch 5" and progress.proto.value == 0
 
 
 def test_a_diloco_run_shows_outer_rounds_and_what_its_peers_send(monkeypatch, tmp_path):

@@ -34,9 +34,12 @@ def status_line(snapshot, looked_seconds: float) -> str:
     clients = f" ({snapshot.clients} in client mode)" if snapshot.clients else ""
     eta = f", next in ~{snapshot.eta_seconds:.0f} s" if snapshot.eta_seconds is not None else ""
     loss = f" | loss {snapshot.mean_loss:.3f}" if snapshot.mean_loss is not None else ""
+    # A round paced in seconds is as large as what the swarm trains in that time: 0 until the peers' records state a
+    # rate (their first ones do not), when "1728/0 samples" would say the round was overdue
+    target = f"/{snapshot.target_batch_size}" if snapshot.target_batch_size else ""
     return (f"swarm epoch {snapshot.epoch} | {snapshot.alive_peers} peer{'s' if snapshot.alive_peers > 1 else ''}"
-            f"{clients} | {snapshot.samples_per_second:.0f} samples/s | {snapshot.samples_accumulated}/"
-            f"{snapshot.target_batch_size} samples toward the next epoch{eta}{loss}{looked}")
+            f"{clients} | {snapshot.samples_per_second:.0f} samples/s | {snapshot.samples_accumulated}{target}"
+            f" samples toward the next epoch{eta}{loss}{looked}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -244,9 +244,10 @@ def show_overview(view: RunView, now: float) -> None:
     columns[5].metric("Best top-1", fmt_pct(best.top1) if best else "–",
                       delta=f"epoch {best.epoch}" if best else None, delta_color="off", delta_arrow="off")
     if latest:
-        target = max(latest.target_batch_size, 1)
-        st.progress(min(latest.samples_accumulated / target, 1.0),
-                    text=f"{latest.samples_accumulated} of {target} samples toward swarm epoch {latest.epoch + 1}")
+        target = latest.target_batch_size  # 0: a round paced in seconds before the peers state their rates
+        st.progress(min(latest.samples_accumulated / target, 1.0) if target else 0.0,
+                    text=f"{latest.samples_accumulated}{f' of {target}' if target else ''} samples toward swarm epoch"
+                         f" {latest.epoch + 1}")
         st.caption(f'<span title="{utc(latest.time)}">last updated {ago(now - latest.time)}</span>',
                    unsafe_allow_html=True)
     else:
