@@ -78,13 +78,11 @@ class RoundTracker(HookedProgressTracker):
         super().__init__(*args, target_batch_size=samples_per_peer, **kwargs)
 
     def before_parsing_progress(self, metadata):
-        records = _parsed_records(metadata)
-        own = progress_subkey(self)
-        self.others = [(record.epoch, float(record.samples_accumulated), record.samples_per_second, record.time)
-                       for subkey, record in records if subkey != own and record.time >= 0]
-        self.target_batch_size = self.samples_per_peer * max(1, len(records))
-        rates = [record.samples_per_second for _, record in records if record.samples_per_second > 0]
-        if self.round_seconds is not None and rates:
+        values = [entry.value for entry in metadata.values() if getattr(entry, "value", None) is not None] \
+            if isinstance(metadata, dict) else []
+        self.others = _others_progress(metadata, progress_subkey(self))
+        self.target_batch_size = self.samples_per_peer * max(1, len(values))
+        if self.round_seconds is not None and (rates := _training_rates(values)):
             # Rounds paced in seconds fall due by the clock (DiLoCoRounds.round_due); the target only says what the
             # swarm trains in a round, for the epoch's samples/s and hivemind's estimate of the next round's arrival
             self.target_batch_size = max(1, paced_round_samples(bounded_sum(rates), self.round_seconds))
@@ -115,14 +113,23 @@ class RoundTracker(HookedProgressTracker):
         return epoch
 
 
-def _parsed_records(metadata) -> list[tuple[bytes, LocalTrainingProgress]]:
-    """(subkey, record) of every progress record that parses as the guard parses one (record_guard.parse_entry:
-    hivemind's schema, whose counts and rate are not negative, and finite numbers). In a peer they come vetted by that
-    same parse already (hivetrain.record_guard.vetted)."""
+def _others_progress(metadata, own_subkey: bytes) -> list[tuple[int, float, float, float]]:
+    """(round, samples, samples/s, time) of every other peer's progress record that parses as the guard parses one
+    (record_guard.parse_entry: hivemind's schema, whose counts and rate are not negative, and finite numbers) and
+    states a time after the Unix epoch."""
     found = []
     for subkey, entry in (metadata.items() if isinstance(metadata, dict) else ()):
         value = getattr(entry, "value", None)
-        record = parse_entry(LocalTrainingProgress, value)[0] if value is not None else None
-        if record is not None:
-            found.append((subkey, record))
+        if subkey == own_subkey or value is None:
+            continue
+        record, _ = parse_entry(LocalTrainingProgress, value)
+        if record is not None and record.time >= 0:
+            found.append((record.epoch, float(record.samples_accumulated), record.samples_per_second, record.time))
     return found
+
+
+def _training_rates(values: list) -> list[float]:
+    """The samples/s each progress record states (hivemind's compute-only rate), where it is a usable number."""
+    rates = [value.get("samples_per_second") if isinstance(value, dict) else None for value in values]
+    return [float(rate) for rate in rates
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate) and rate > 0]
