@@ -287,9 +287,9 @@ class DiLoCoRounds:
         return progress.eta_next_epoch
 
     def _take_scheduled(self) -> Optional[StepControl]:
-        """The group looked for ahead for the round starting now: the one looked for at this round, or in a run
-        without robust aggregation the one looked for at any round. Such a run's rounds all look for their group
-        under one key, and a round in flight can land this peer a round beyond the one it looked ahead for (brought
+        """The group looked for ahead for the round starting now: the one looked for at this round, or, where rounds
+        look for their groups under one key (not OuterState.groups_by_round), the one looked for at any round. A
+        round in flight can land this peer a round beyond the one it looked ahead for (brought
         up by a groupmate that was a round ahead, such as a joiner catching up). Its groupmates there wait for its
         part: cancelled, their all-reduce waited out its chunk timeout and the round failed for all (`make demo`'s
         two peers ended 0.086 apart)."""
@@ -297,7 +297,7 @@ class DiLoCoRounds:
         if scheduled is None:
             return None
         round_, control = scheduled
-        if round_ == self.outer.round or self.outer.aggregation is None:
+        if round_ == self.outer.round or not self.outer.groups_by_round:
             return control
         control.cancel()
         return None

@@ -193,13 +193,21 @@ class OuterState(RobustAveraging, BoundedDownloads):
                         f" {self.round} with the swarm, catching up (its own steps weigh nothing in it)")
         return True
 
-    def _robust_group(self, round_: int) -> None:
-        if self.aggregation is not None:
-            # A robust aggregate outvotes an attacker only while the honest copies agree. A groupmate from an
-            # earlier round is honest but far from the others: in a group of three with it, the attacker's copy
-            # moved the result that far (tests/test_attacks.py saw two honest peers end at 29% top-1). Robust runs
-            # group only peers of the same round (its last two bits in the group key); a peer that fell behind
-            # finds no group, takes its own step, and loads the swarm's state at its next look.
+    @property
+    def groups_by_round(self) -> bool:
+        """Whether a round's group holds peers of that round only (robust runs), rather than every round looking
+        for its group under one key.
+
+        A robust aggregate outvotes an attacker only while the honest copies agree. A groupmate from an earlier round
+        is honest but far from the others: in a group of three with it, the attacker's copy moved the result that far
+        (tests/test_attacks.py saw two honest peers end at 29% top-1). Robust runs group only peers of the same round
+        (its last two bits in the group key); a peer that fell behind finds no group, takes its own step, and loads
+        the swarm's state at its next look."""
+        return self.aggregation is not None
+
+    def look_in_groups_of(self, round_: int) -> None:
+        """The group key for round `round_`'s search (groups_by_round; the coordinator's relay too)."""
+        if self.groups_by_round:
             self.set_group_bits(f"{round_ % 4:02b}")
 
     def group_found(self, round_: int) -> bool:
@@ -222,7 +230,7 @@ class OuterState(RobustAveraging, BoundedDownloads):
         Returns:
             hivemind's StepControl, to hand to outer_step (or to cancel when the round changes under it).
         """
-        self._robust_group(self.round)
+        self.look_in_groups_of(self.round)
         return self.step(gather=self.round, scheduled_time=at, timeout=max(0.0, at - get_dht_time()) + timeout,
                          require_trigger=True, wait=False)
 
@@ -305,7 +313,7 @@ class OuterState(RobustAveraging, BoundedDownloads):
                 scheduled.allow_allreduce()
                 control = scheduled
             else:
-                self._robust_group(started_round)
+                self.look_in_groups_of(started_round)
                 # Retries until `timeout`: the others notice that the round is due at their next look at the swarm's
                 # progress, and a slow peer after its current step.
                 control = self.step(weight=weight, timeout=timeout, gather=started_round, wait=False)

@@ -140,7 +140,6 @@ class RoundRelay(Relay):
         samples_per_peer: H inner steps of the run's batch: a round is due once the records' samples for it reach
             this many per trainer, as the peers' RoundTracker counts.
         averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
-        robust: the run aggregates robustly, so its groups hold peers of one round only (OuterState's group bits).
         round_seconds: the run's rounds paced in seconds (None: by samples, `samples_per_peer`).
         matchmaking_time: how long ahead of a round paced in seconds its search for the group starts.
         events: where each relayed round is told (`relayed`).
@@ -150,11 +149,11 @@ class RoundRelay(Relay):
     what = "outer rounds"
 
     def __init__(self, outer: OuterState, progress_key: str, samples_per_peer: int, averaging_timeout: float,
-                 robust: bool, events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed,
+                 events: EventLog = EventLog(None), report: Callable[[str], None] = print_flushed,
                  round_seconds: Optional[float] = None, matchmaking_time: float = 0.0):
         super().__init__(outer.dht, progress_key, averaging_timeout, lambda: outer.epoch_bound(), events, report)
         self.averager = self.outer = outer  # the state holder's: it exists whether or not it relays
-        self.samples_per_peer, self.robust = samples_per_peer, robust
+        self.samples_per_peer = samples_per_peer
         self.round_seconds, self.matchmaking_time = round_seconds, matchmaking_time
         self._last_time: Optional[float] = None  # rounds paced in seconds: the grid time last relayed (or tried)
         self._last_round: Optional[int] = None  # the last round relayed (or tried)
@@ -174,8 +173,7 @@ class RoundRelay(Relay):
 
     def _relay(self, round_: int, at: Optional[float]) -> None:
         self._last_round, self._last_time = round_, at
-        if self.robust:
-            self.outer.set_group_bits(f"{round_ % 4:02b}")
+        self.outer.look_in_groups_of(round_)
         started, cpu_before = time.perf_counter(), self._averager_cpu_seconds()
         # paced in seconds: the group forms when the peers' own searches aim
         # (hivetrain.round_schedule.group_time)

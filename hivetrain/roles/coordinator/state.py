@@ -178,9 +178,8 @@ class OuterStateHolder:
         if resume is not None:  # the weights went into the outer parameters above; the momentum and round follow
             self._restore(resume, resume.epoch)
         self.relay = RoundRelay(self.outer, f"{config.run_id}_progress", swarm.inner_steps * config.batch_size,
-                                swarm.averaging_timeout, robust=swarm.robust_aggregation != "none", events=events,
-                                report=report, round_seconds=swarm.round_seconds,
-                                matchmaking_time=swarm.matchmaking_time).start()
+                                swarm.averaging_timeout, events=events, report=report,
+                                round_seconds=swarm.round_seconds, matchmaking_time=swarm.matchmaking_time).start()
 
     def _restore(self, checkpoint: Checkpoint, round_: int) -> None:
         weights = [parameter.detach() for parameter in self.model.parameters()]  # the checkpoint's, loaded before
