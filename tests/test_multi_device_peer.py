@@ -77,8 +77,10 @@ def test_a_peer_on_two_devices_and_a_single_peer_end_with_the_same_outer_paramet
     # Rank 0 exits 0 only when every rank it launched exited 0 (else: "error: rank 1 exited with code ...", exit 1).
     assert len(other_ranks) == 1 and not any(rank.is_running() for rank in other_ranks)
     assert not any(line.startswith("error:") for line in wide.lines), wide.lines
-    epochs = [int(m.group(1)) for line in wide.lines if (m := re.match(r"swarm epoch (\d+) \| 2 peer", line))]
-    assert epochs and epochs[-1] == STOP_AT, wide.lines
+    # Each line counts the peers whose records the peer last read: 1 once the single peer has left at the last epoch
+    # (CI at 8b7a50f: epochs 1 and 4 said 1 peer under load), so the count is asserted of one line, not every line.
+    lines = [m.groups() for line in wide.lines if (m := re.match(r"swarm epoch (\d+) \| (\d+) peer", line))]
+    assert lines and int(lines[-1][0]) == STOP_AT and max(int(peers) for _, peers in lines) == 2, wide.lines
     weights = {name: _flat(tmp / f"{name}.safetensors") for name in ("wide", "single")}
     config = get_preset("demo")
     initial = torch.cat([p.detach().flatten() for p in create_model(config.model, seed=config.seed).parameters()])
