@@ -25,9 +25,9 @@ from benchmarks.harness import Process
 PEERS = 4
 INNER_STEPS = 8
 # A smoke run's 4 rounds: the attacker, the fourth peer on two cores, can come to a round after the three honest
-# peers averaged without it, and the smoke asks for one. It then gives that round up within a look at the records
-# (hivemind_internals.LOOKING_CHECK_S) and averages the next: at 3 rounds it averaged 1 in one run of 22, and none in
-# one of 10 when a look came each second, where a peer left out once stayed out.
+# peers averaged without it, and the smoke asks for one. A peer left out gives its round up once most others' records
+# state the next one, and may be left out of that one too: at 3 rounds the attacker averaged 0, 1, 2 or 3 (mean 2.2
+# in 10 runs here, none in one).
 ROUNDS, SMOKE_ROUNDS = 8, 4
 ATTACKS = ("scale:-10", "scale:1000", "noise", "replay")  # benchmarks/attacker.py's, each with one factor
 # the coordinator's options for each: the defaults, and CenteredClip at radius 1, its default until the suite showed
