@@ -26,6 +26,7 @@ from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from hivetrain.hivemind_internals import LEFT_ALONE_CHECK_S
 from hivetrain.outer_state import GivenUp, OuterState, outer_state_prefix, round_matchmaking
 from hivetrain.overlapped_round import RoundInFlight
 from hivetrain.robust import RobustAggregation
@@ -93,6 +94,8 @@ class DiLoCoRounds:
         self.landed: Optional[tuple[int, str, list[float]]] = None
         self.finite_steps = FiniteSteps()  # the inner steps' verdicts, read without stalling the GPU
         self.restarts = 0  # times a non-finite step sent this peer back to the outer parameters
+        # (round, monotonic time) of the first of the reads in a row that found no other peer's record (_give_up)
+        self._alone_since: Optional[tuple[int, float]] = None
 
     @property
     def round(self) -> int:
@@ -122,7 +125,14 @@ class DiLoCoRounds:
         if epochs is None:
             return None
         if not epochs:
-            return GivenUp.LEFT_ALONE
+            # Alone once the reads have found no other record for LEFT_ALONE_CHECK_S: a round looks four times as
+            # often while it searches (LOOKING_CHECK_S), and a single read that missed the others' records (a
+            # suite under load) then ended a paced peer's round while it waited for the other to come (test_diloco).
+            now = time.monotonic()
+            if self._alone_since is None or self._alone_since[0] != round_:
+                self._alone_since = (round_, now)
+            return GivenUp.LEFT_ALONE if now - self._alone_since[1] >= LEFT_ALONE_CHECK_S else None
+        self._alone_since = None
         if looking and 2 * sum(epoch > round_ for epoch in epochs) > len(epochs):
             return GivenUp.LEFT_BEHIND
         return None

@@ -8,6 +8,7 @@ import time
 
 import hivemind
 import pytest
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import MPFuture, get_dht_time
@@ -15,8 +16,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from conftest import dht_entries, live_entries, record_reader, start_coordinator
 from hivetrain.config import get_preset
-from hivetrain.hivemind_internals import (LEFT_ALONE_CHECK_S, HookedProgressTracker, announce_and_count_peers,
-                                          wait_unless_left_alone)
+from hivetrain.hivemind_internals import (LEFT_ALONE_CHECK_S, LOOKING_CHECK_S, HookedProgressTracker,
+                                          announce_and_count_peers, wait_unless_left_alone)
 from hivetrain.outer_state import outer_state_prefix
 from hivetrain.record_guard import others_epochs, vetted
 from hivetrain.swarm import RECORD_LIFETIME
@@ -97,6 +98,38 @@ def test_departed_peers_stop_counting(spawn, tmp_path, mode):
         dht.shutdown()
 
 
+def _round_control() -> StepControl:
+    """An averaging round's control as hivemind's averager hands it out, for a round that never finds its group."""
+    # the averager's trigger and cancel futures, made first: hivemind starts its futures' backend on the class of the
+    # process's first MPFuture, and a StepControl first would start it on StepControl alone
+    trigger, cancel = MPFuture(), MPFuture()
+    control = StepControl(scheduled_time=get_dht_time(), deadline=float("inf"), allow_retries=False, weight=1.0,
+                          data_for_gather=b"")
+    control.attach(trigger, cancel)
+    return control
+
+
+def test_a_round_looks_whether_to_end_more_often_while_it_looks_for_its_group():
+    """A round asks whether it should end every LOOKING_CHECK_S while it looks for its group, and every
+    LEFT_ALONE_CHECK_S once the group formed: a peer left out of a group must give up its search within a fraction of
+    the others' matchmaking time, or its next round's search begins after that group formed too (the attacks smoke's
+    attacker averaged none of its 3 rounds in one run of 10)."""
+    control, asked = _round_control(), []
+    control.stage = AveragingStage.LOOKING_FOR_GROUP
+
+    def ask() -> bool:
+        asked.append(time.monotonic())
+        if len(asked) == 4:  # the group formed: the all-reduce runs
+            control.stage = AveragingStage.RUNNING_ALLREDUCE
+        return len(asked) == 6
+
+    began = time.monotonic()
+    assert wait_unless_left_alone(control, ask, timeout=60.0) and control.cancelled()
+    looking, running = asked[3] - began, asked[5] - asked[3]
+    assert 4 * LOOKING_CHECK_S <= looking < 4 * LOOKING_CHECK_S + 1.0, asked
+    assert 2 * LEFT_ALONE_CHECK_S <= running < 2 * LEFT_ALONE_CHECK_S + 1.0, asked
+
+
 def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
     """A swarm of two: the other peer leaves (withdrawing its progress record) while this one's round looks for it.
     hivemind waited for the group until the averaging timeout; the round (a sync peer's gradient round, a diloco
@@ -113,7 +146,7 @@ def test_a_round_the_other_peer_left_is_given_up_at_once(cleanup):
                                    samples_per_second=1.0, time=get_dht_time(), client_mode=False)
     assert other.store(tracker.training_progress_key, record.dict(), get_dht_time() + 60,
                        subkey=signer.local_public_key)
-    control, outcome = MPFuture(), []  # a round that never finds its group
+    control, outcome = _round_control(), []  # a round that never finds its group
 
     def wait() -> None:
         outcome.append(wait_unless_left_alone(control, lambda: others_epochs(tracker, timeout=10.0) == [], timeout=60.0))

@@ -50,7 +50,7 @@ from hivetrain.hivemind_internals.allreduce import (MIN_ROBUST_GROUP_SIZE, PartC
 from hivetrain.hivemind_internals.averaging import (BoundedDownloads, BoundedStateAverager, GroupClosesWhenFull,
                                                     JoinsStateServer, MembersOnly, STATE_BYTES_FACTOR,
                                                     STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT, LEFT_ALONE_CHECK_S,
-                                                    members_only_class,
+                                                    LOOKING_CHECK_S, members_only_class,
                                                     named_for_rpc_as, robust_averager_class,
                                                     wait_unless_left_alone)  # noqa: E402
 from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_schedule  # noqa: E402
@@ -63,6 +63,7 @@ __all__ = [
     "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
     "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK",
     "STATE_SERVER_JOIN_TIMEOUT",
-    "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "wait_unless_left_alone",
+    "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "LOOKING_CHECK_S",
+    "wait_unless_left_alone",
     "PatchedOptimizer", "catch_up_schedule",
 ]
