@@ -117,7 +117,7 @@ class DiLoCoRounds:
 
     def _give_up(self, round_: int, looking: bool) -> Optional[GivenUp]:
         """Whether this peer's round `round_` should end now, from one read of the swarm's progress records:
-        LEFT_ALONE once the other peers have all withdrawn their records since the tracker's last look; LEFT_BEHIND
+        LEFT_ALONE once the reads of this round have found no other peer's record for a second; LEFT_BEHIND
         while the round is `looking` for its group and most other peers' records state a later round. Most, not
         one: a single record (one that lies, or a peer that went on alone) must not cut every peer's search short.
         None (go on) when the records cannot be read."""
