@@ -25,9 +25,8 @@ from benchmarks.harness import Process
 PEERS = 4
 INNER_STEPS = 8
 # A smoke run's 4 rounds: the attacker, the fourth peer on two cores, can come to a round after the three honest
-# peers averaged without it, and the smoke asks for one. A peer left out gives its round up once most others' records
-# state the next one, and may be left out of that one too: at 3 rounds the attacker averaged 0, 1, 2 or 3 (mean 2.2
-# in 10 runs here, none in one).
+# peers averaged without it, and the smoke asks for one. A peer left out of one round may be left out of the next
+# (hivemind_internals.LOOKING_CHECK_S): a round more gives it one more chance.
 ROUNDS, SMOKE_ROUNDS = 8, 4
 ATTACKS = ("scale:-10", "scale:1000", "noise", "replay")  # benchmarks/attacker.py's, each with one factor
 # the coordinator's options for each: the defaults, and CenteredClip at radius 1, its default until the suite showed

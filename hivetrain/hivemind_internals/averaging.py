@@ -462,8 +462,10 @@ LEFT_ALONE_CHECK_S = 1.0  # how often a round looks whether it should end early 
 # ... and how often while it looks for its group: a peer that comes to a round whose group formed without it must
 # notice within a fraction of the others' matchmaking time (1 s in the demo). The others start their next round as they
 # land this one; a peer that gave up a look later than that searched for the next round after its group formed too,
-# and so on: the attacks smoke's attacker, last by 0.4 s to its first round, averaged none of 3 in one run of 10 (at a
-# look every second; at a quarter second, it missed one round at most in 12 runs, and averaged the next).
+# and so on: the attacks smoke's attacker, last by 0.4 s to its first round, averaged none of 3 in one run of 10 at a
+# look every second; at a quarter second while looking, 2.7 of 3 on average in 10 runs, and at least 1. Looking this
+# often, a read that missed the others' records comes often too: DiLoCoRounds counts a round alone only after a
+# second of such reads.
 LOOKING_CHECK_S = 0.25
 
 
