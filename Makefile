@@ -12,8 +12,8 @@ demo: $(VENV)/.installed
 
 # The committed logbook changes only here: the demo's page and swarm result, and the reliability page of the fault
 # tests and of the takeover attacks' tests (make bench SUITE=... writes the benchmark sections).
-TAKEOVER_TESTS := tests/test_takeover.py tests/test_hostile_records.py tests/test_access.py tests/test_reachability.py \
-	tests/test_revocation.py
+TAKEOVER_TESTS := tests/test_takeover.py tests/test_vouched_state.py tests/test_hostile_records.py tests/test_access.py \
+	tests/test_reachability.py tests/test_revocation.py
 logbook: $(VENV)/.installed-dev
 	$(PY) scripts/demo.py --publish
 	HIVETRAIN_RELIABILITY_PAGE=logbook/reliability.md $(PY) -m pytest -q tests/test_faults.py $(TAKEOVER_TESTS)

@@ -45,8 +45,10 @@ class CoordinatorWatch:
     def bound(self, tracker: Any, averager: Any) -> None:
         """Bound by the coordinator's clock the epochs `tracker` (a vetted tracker) takes from other peers, and those
         `averager` takes from a downloaded state (a BoundedStateAverager's epoch, an OuterState's round) and from its
-        groupmates (an OuterState's round)."""
+        groupmates (an OuterState's round); and let `averager` take the coordinator's own state without a second
+        holder's word (BoundedDownloads.trusted_holder): its holder took it from holders that agreed."""
         tracker.epoch_bound = averager.epoch_bound = self.clock.bound  # a VettedProgressTracker, a BoundedDownloads
+        averager.trusted_holder = self.holder
 
     def ran_ahead(self, epoch: int, unit: str = "swarm epoch") -> Optional[int]:
         """The coordinator's count, fresh, when this peer's own `epoch` (`unit`: diloco's outer round) is more than

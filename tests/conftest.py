@@ -22,8 +22,8 @@ BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
 RELIABILITY_PAGE = Path(os.environ.get("HIVETRAIN_RELIABILITY_PAGE")
                         or Path(tempfile.mkdtemp(prefix="hivetrain-reliability-")) / "reliability.md")
 # The tests that mount issue 27's attacks and each add a row to the page's takeover section (`make logbook` runs them)
-TAKEOVER_TESTS = ("tests/test_takeover.py", "tests/test_hostile_records.py", "tests/test_access.py",
-                  "tests/test_reachability.py", "tests/test_revocation.py")
+TAKEOVER_TESTS = ("tests/test_takeover.py", "tests/test_vouched_state.py", "tests/test_hostile_records.py",
+                  "tests/test_access.py", "tests/test_reachability.py", "tests/test_revocation.py")
 TAKEOVER_FINDINGS = ("run-record hijack", "epoch inflation", "poisoned state", "a coordinator crash",
                      "private runs leak", "one key, unlimited peers", "dial-back flood", "model settings")
 # Tests never reach the Hugging Face hub; every process they start inherits this.
@@ -163,8 +163,7 @@ class TakeoverRows:
             f"{measured_by(env)} Issue 27's attacks, each mounted by its test against the real roles on loopback: a"
             " plain hivemind process that signs what it stores with a key of its own, as any volunteer can (or the"
             " project's attacker, `tests/test_hostile_records.py`), and what the honest roles then did, as the test"
-            " measured it. Not closed yet: a holder that serves other parameters at the swarm's epoch, in the"
-            " model's shapes, is taken by a joiner that asks it (issue 27's vouched-for state).\n\n"
+            " measured it.\n\n"
             "| finding | attack | what the honest roles did |\n|---|---|---|\n" + rows), page=self.page)
 
 

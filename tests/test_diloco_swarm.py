@@ -60,7 +60,7 @@ def test_a_peer_that_took_the_state_and_waited_for_others_does_not_download_it_a
     _, _, peers, _, _ = diloco_run
     b = peers["b"]
     before_start = b.lines[:next(i for i, line in enumerate(b.lines) if "Starting at swarm epoch" in line)]
-    downloads = [line for line in before_start if "hivemind_internals.averaging: Finished downloading state" in line]
+    downloads = [line for line in before_start if "hivemind_internals.downloads: Finished downloading state" in line]
     waited = next(i for i, line in enumerate(before_start) if "Waiting for peers" in line)
     assert downloads and before_start.index(downloads[0]) < waited  # its setup took a's state
     assert b.wait_for(r"Starting at swarm epoch (\d+)", timeout=1).group(1) == "0"  # nobody had stepped

@@ -323,7 +323,8 @@ def test_a_download_limited_to_one_holder_asks_no_other(cleanup):
     """A rollback's state is taken from the coordinator alone (CoordinatorWatch.holder): in CI an attacker had trained
     up to the very epoch the rollback served, and hivemind's order among equal holders handed the honest peer the
     attacker's state. Two holders of one epoch: the one declaring the higher priority serves an unlimited download,
-    and nothing when the download names the other."""
+    and nothing when the download names the other. Unlimited, it takes the state of that holder once it is the one
+    trusted (the pinned coordinator's, BoundedDownloads.trusted_holder), although the other is asked first."""
     bootstrap = hivemind.DHT(host_maddrs=LOOPBACK, start=True)
     cleanup.append(bootstrap)
 
@@ -350,7 +351,7 @@ def test_a_download_limited_to_one_holder_asks_no_other(cleanup):
         peer.load_state_from_peers(timeout=10)
     assert peer.local_epoch == 15 and torch.equal(peer.main_parameters[0], pinned.main_parameters[0])
     assert peer.only_holder is None  # the block's end lifts the limit: the next download asks any holder
-    peer.local_epoch = 0
+    peer.local_epoch, peer.trusted_holder = 0, other.peer_id.to_base58()
     peer.load_state_from_peers(timeout=10)
     assert torch.equal(peer.main_parameters[0], other.main_parameters[0])
 
@@ -438,7 +439,7 @@ def test_takeover_rows_rewrite_their_own_section_of_the_reliability_page(tmp_pat
     rows.add(3, "a poisoned holder", "skipped again")  # a test run twice keeps one row
     text = page.read_text()
     assert text.startswith("# Reliability: faults a swarm survives\n\nfaults\n\n## attacks\n\nA\n\n## takeover\n")
-    assert "`pytest tests/test_takeover.py tests/test_hostile_records.py" in text
+    assert "`pytest tests/test_takeover.py tests/test_vouched_state.py tests/test_hostile_records.py" in text
     rows_written = [line for line in text.splitlines() if line.startswith("| 1.") or line.startswith("| 3.")]
     assert rows_written == ["| 1. run-record hijack | a hijacking record | ignored |",
                             "| 3. poisoned state | a poisoned holder | skipped again |"]

@@ -11,8 +11,10 @@ No module outside this package touches hivemind's private names (tests/test_hive
   runtime    tensor serialisation and command pipes (patched at import), hivemind's log handler, a direct dial
   records    progress records (a hooked tracker, a peer's own record) and signed records (formats, keys, signing)
   allreduce  the all-reduce's runner: answer streams closed by their sender, robust aggregation (part reducer)
-  averaging  RPC names, state servers, vetted state downloads, RPCs answered only for a private run's members, and
-             a shutdown that first sends groupmates their parts
+  averaging  RPC names, state servers, RPCs answered only for a private run's members, a shutdown that first
+             sends groupmates their parts, and rounds whose peers are gone
+  downloads  state downloads vetted before they are deserialised, and taken once a second holder (or the pinned
+             coordinator) vouches for them
   optimizer  hivemind.Optimizer's factories and scheduling (PatchedOptimizer), a state averager's schedule
   dht        inside a DHT node (in its own process): key IDs, its storage and cache, routing table, pings, validator
              and authorizer
@@ -47,12 +49,13 @@ from hivetrain.hivemind_internals.records import (HookedProgressTracker, SIGNATU
                                                   write_identity)  # noqa: E402
 from hivetrain.hivemind_internals.allreduce import (MIN_ROBUST_GROUP_SIZE, PartCopies, RobustAllReduceRunner,
                                                     RobustAveraging, RobustPartReducer)  # noqa: E402
-from hivetrain.hivemind_internals.averaging import (BoundedDownloads, BoundedStateAverager, GroupClosesWhenFull,
-                                                    JoinsStateServer, MembersOnly, STATE_BYTES_FACTOR,
-                                                    STATE_BYTES_SLACK, STATE_SERVER_JOIN_TIMEOUT, LEFT_ALONE_CHECK_S,
-                                                    LOOKING_CHECK_S, members_only_class,
-                                                    named_for_rpc_as, robust_averager_class,
+from hivetrain.hivemind_internals.averaging import (GroupClosesWhenFull, JoinsStateServer, MembersOnly,
+                                                    STATE_SERVER_JOIN_TIMEOUT, LEFT_ALONE_CHECK_S, LOOKING_CHECK_S,
+                                                    members_only_class, named_for_rpc_as, robust_averager_class,
                                                     wait_unless_left_alone)  # noqa: E402
+from hivetrain.hivemind_internals.downloads import (BoundedDownloads, BoundedStateAverager, MAX_STATE_ASKS,
+                                                    STATE_AGREEMENT, STATE_BYTES_FACTOR, STATE_BYTES_SLACK,
+                                                    states_agree)  # noqa: E402
 from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_schedule  # noqa: E402
 
 __all__ = [
@@ -61,7 +64,8 @@ __all__ = [
     "announce_and_count_peers", "identity_key", "progress_subkey", "rsa_key_from_der", "sign_records_with",
     "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
     "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
-    "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK",
+    "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "MAX_STATE_ASKS", "STATE_AGREEMENT",
+    "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "states_agree",
     "STATE_SERVER_JOIN_TIMEOUT",
     "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "LOOKING_CHECK_S",
     "wait_unless_left_alone",

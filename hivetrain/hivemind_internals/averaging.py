@@ -1,37 +1,27 @@
 """Inside hivemind's averagers: our subclasses answering under hivemind's RPC names (robust aggregation mixed in from
-allreduce), a state server joined on shutdown, and state downloads vetted before they are deserialised."""
+allreduce), a state server joined on shutdown, RPCs answered only for a private run's members, a shutdown that first
+sends groupmates their parts, and a round that ends once its peers are gone. State downloads: downloads."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import random
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 import hivemind
 import hivemind.averaging.averager
-import torch
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
-from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
-from hivemind.utils.timed_storage import ValueWithExpiration
+from hivemind.utils.asyncio import achain, as_aiter
 
 from hivetrain.hivemind_internals.allreduce import RobustAveraging, SenderClosedAveraging
 
 
-# A downloaded state may be this many times the averager's own tensors (parameters, and Adam's two statistics), plus
-# this many bytes; a holder sending more is skipped before its tensors are deserialised.
-STATE_BYTES_FACTOR, STATE_BYTES_SLACK = 4, 1 << 16
 STATE_SERVER_JOIN_TIMEOUT = 10.0  # seconds an averager's shutdown waits for the state download it is answering
 ADMITTED_FOR = 10.0  # seconds an averager answers a caller its DHT process admitted without asking again
 GROUP_REGISTRATION_POLL = 0.005  # seconds between two looks for the group of a groupmate's part (WaitsForItsGroup)
@@ -229,7 +219,7 @@ class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
 
 
 def _warn_refused(caller: PeerID) -> None:
-    _warn_once_a_minute((caller, "refused"), f"Refusing averaging requests from {caller}: no member record of this"
+    warn_once_a_minute((caller, "refused"), f"Refusing averaging requests from {caller}: no member record of this"
                                              f" private run vouches for it")
 
 
@@ -264,116 +254,7 @@ def members_only_class(averager_class: type) -> type:
     return _subclass_under_its_name("members_only_class", averager_class, mixins) if mixins else averager_class
 
 
-class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer,
-                       LastingStateOffer, GroupClosesWhenFull):
-    """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
-    process: holders are asked from the highest declared priority down as in hivemind, but one declaring a priority
-    beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending more than
-    STATE_BYTES_FACTOR times this averager's own tensors (plus STATE_BYTES_SLACK) is skipped, with a warning, and the
-    next one is asked. hivemind took the first holder's state whole: one declaring the highest priority served
-    joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any size it liked."""
-
-    # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
-    epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
-    # The one holder downloads ask (a base58 peer ID), None: any, as above. Set through downloading_only_from, not as
-    # a keyword of the load: the callers reach it through loads that take none (DiLoCoRounds.load_state_from_peers,
-    # the rollback's wait_for_state).
-    only_holder: Optional[str] = None
-
-    @contextlib.contextmanager
-    def downloading_only_from(self, holder: Optional[str]):
-        """Within the block, downloads ask `holder` alone (a base58 peer ID; None: any holder)."""
-        previous, self.only_holder = self.only_holder, holder
-        try:
-            yield
-        finally:
-            self.only_holder = previous
-
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
-        future = MPFuture()
-        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
-                                                                  bound=self.epoch_bound(), only=self.only_holder)))
-        return future.result(timeout=timeout) if wait else future
-
-    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
-                                     bound: Optional[int] = None, only: Optional[str] = None):
-        # as hivemind's: the timeout given bounds the wait for each next part
-        timeout = None if timeout is None else (self.next_chunk_timeout or self.request_timeout)
-        limit = STATE_BYTES_FACTOR * sum(t.numel() * t.element_size() for t in self._averaged_tensors)
-        try:
-            found, _ = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True) or (
-                {}, None)
-            holders = {PeerID(peer_id): (float(entry.value), random.random())  # at random among equals
-                       for peer_id, entry in (found.items() if isinstance(found, dict) else ())
-                       if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))}
-            for peer in sorted(holders, key=holders.get, reverse=True):
-                if peer == self.peer_id or (only is not None and peer.to_base58() != only):
-                    continue
-                if bound is not None and holders[peer][0] > bound:
-                    _warn_download(peer, f"it declares a state of epoch {holders[peer][0]:g}, beyond {bound}")
-                    continue
-                loaded = await self._download_state(peer, timeout, bound, limit + STATE_BYTES_SLACK)
-                if loaded is not None:
-                    future.set_result(loaded)
-                    return
-        except Exception as e:  # the DHT read failed: no state this time
-            logger.warning(f"Could not look for the swarm's state: {type(e).__name__}: {e}")
-        finally:
-            if not future.done():
-                future.set_result(None)
-
-    async def _download_state(self, peer: PeerID, timeout: Optional[float], bound: Optional[int],
-                              limit: int) -> Optional[tuple[Any, list[torch.Tensor]]]:
-        started = time.monotonic()
-        try:
-            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata, parts, tensors, received = None, [], [], 0
-            async for message in aiter_with_timeout(stream, timeout=timeout):
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                    epoch = metadata.get("epoch", metadata.get("round")) if isinstance(metadata, dict) else None
-                    if bound is not None and isinstance(epoch, (int, float)) and epoch > bound:
-                        _warn_download(peer, f"its state is of epoch {epoch}, beyond {bound}")
-                        return None
-                received += len(message.tensor_part.buffer)
-                if received > limit:
-                    _warn_download(peer, f"its state is larger than {limit} bytes")
-                    return None
-                if message.tensor_part.dtype and parts:  # a new tensor begins: the one before is whole
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                    if not self._fits(peer, tensors):
-                        return None
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            if not metadata or not self._fits(peer, tensors) or len(tensors) < len(self._averaged_tensors):
-                return None
-            logger.info(f"Finished downloading state in {time.monotonic() - started:.3f}s from {peer}")
-            return metadata, tensors
-        except Exception as e:  # a holder that vanished or timed out: the next one
-            logger.warning(f"Failed to download state from {peer}: {type(e).__name__}: {e}")
-            return None
-
-
-    def _fits(self, peer: PeerID, tensors: list[torch.Tensor]) -> bool:
-        """Whether the state's tensors so far have the shapes of this averager's own, which lead every state (the
-        parameters): hivemind copies them in unchecked, and a state of another shape failed each load for good."""
-        index = len(tensors) - 1
-        if index < len(self._averaged_tensors) and tensors[index].shape != self._averaged_tensors[index].shape:
-            _warn_download(peer, f"its tensor {index} is of shape {tuple(tensors[index].shape)}, not"
-                                 f" {tuple(self._averaged_tensors[index].shape)}")
-            return False
-        return True
-
-
-def _warn_download(peer: PeerID, why: str) -> None:
-    """At most one warning a minute per holder and reason (each download asks every holder again)."""
-    _warn_once_a_minute((peer, why.split(",")[0]), f"Skipping the state of {peer}: {why}")
-
-
-def _warn_once_a_minute(key: Any, message: str) -> None:
+def warn_once_a_minute(key: Any, message: str) -> None:
     """Warn `message` unless a warning under `key` (a peer and a reason) went out less than a minute ago. At most
     MAX_WARNED_KEYS keys are remembered: a flood of peer IDs costs a repeated line, not memory."""
     now = time.monotonic()
@@ -386,74 +267,6 @@ def _warn_once_a_minute(key: Any, message: str) -> None:
 
 MAX_WARNED_KEYS = 4096
 _warned_until: dict = {}  # (peer, reason) -> time.monotonic() before which it is not warned about again
-
-
-class ServesWholeEpochs(TrainingStateAverager):
-    """A TrainingStateAverager that never serves a new epoch with the parameters of the one before. hivemind raises
-    `local_epoch` before the epoch's optimizer step runs (in its executor thread) and reads the epoch apart from the
-    tensors, so a download in between took epoch N + 1 with the parameters of epoch N, a state this peer never held.
-    A rolled-back peer of test_rollback (sync) likely loaded one from its groupmate in CI: its parameters matched
-    nothing the groupmate had said it held.
-
-    An epoch's step (blocking: hivemind's default, and ours) runs here as two of hivemind's steps: the new epoch and
-    its optimizer step, holding `_whole_epoch`, which the serving thread takes too (a downloader waits for a local
-    optimizer step, a fraction of a second); then the state averaging round, without it. Held across the round, it
-    kept a holder from serving for as long as its group took to form: a peer back from a cut found no holder that
-    answered within its timeout (tests/test_faults.py). Between its optimizer step and the round's end a holder
-    serves its own stepped parameters, as hivemind did. A delayed optimizer step (delay_optimizer_step) finishes after
-    `step` returns: one epoch stale by hivemind's design, and left as hivemind runs it."""
-
-    def __init__(self, *args, **kwargs):
-        self._whole_epoch = threading.Lock()  # before hivemind's __init__, which starts the serving thread
-        super().__init__(*args, **kwargs)
-
-    def step(self, increment_epoch: bool = False, optimizer_step: bool = False, delay_optimizer_step: bool = False,
-             averaging_round: bool = False, delay_averaging: Optional[bool] = None,
-             averaging_control: Optional[StepControl] = None, averaging_opts: Optional[dict] = None, **kwargs):
-        averaging = dict(averaging_round=averaging_round, delay_averaging=delay_averaging,
-                         averaging_control=averaging_control, averaging_opts=averaging_opts)
-        if not (increment_epoch and optimizer_step) or delay_optimizer_step:
-            return super().step(increment_epoch=increment_epoch, optimizer_step=optimizer_step,
-                                delay_optimizer_step=delay_optimizer_step, **averaging, **kwargs)
-        with self._whole_epoch:
-            super().step(increment_epoch=True, optimizer_step=True, **kwargs)
-        if averaging_round:
-            return super().step(**averaging)
-        return None
-
-    def get_current_state(self):
-        with self._whole_epoch:
-            return super().get_current_state()
-
-
-@named_for_rpc_as(TrainingStateAverager)  # peers download the state and average under hivemind's name
-class BoundedStateAverager(ServesWholeEpochs, BoundedDownloads):
-    """hivemind's TrainingStateAverager that takes from a downloaded state its parameters, statistics and epoch (up to
-    `epoch_bound`), and nothing of its optimizer settings: hivemind loads the sender's param groups (learning rate,
-    betas, weight decay) with them, and one peer's lr of 10^6 was every joiner's. This peer's own settings are put
-    back before the schedule catches up with the new epoch, which then sets what it schedules (lr, a cyclic
-    schedule's momentum) as it does for every peer."""
-
-    _own_settings: Optional[list[dict]] = None  # during a download: this peer's param groups, without their params
-    # States taken from the swarm so far. hivemind's load returns nothing whether it took a state or not (no holder
-    # answered, or each one's epoch was behind this peer's): a caller compares the count before and after.
-    states_taken = 0
-
-    def load_state_from_peers(self, **kwargs):
-        self._own_settings = [{key: value for key, value in group.items() if key != "params"}
-                              for group in self.optimizer.param_groups]
-        try:
-            return super().load_state_from_peers(**kwargs)
-        finally:
-            self._own_settings = None
-
-    def _update_scheduler(self):
-        # hivemind calls it right after it loaded a downloaded state's settings and epoch
-        if self._own_settings is not None:
-            for group, own in zip(self.optimizer.param_groups, self._own_settings):
-                group.update(own)
-            self.states_taken += 1
-        super()._update_scheduler()
 
 
 # --- rounds whose peers are gone ------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from hivetrain.hivemind_internals.averaging import (BoundedStateAverager, members_only_class,
-                                                    robust_averager_class)
+from hivetrain.hivemind_internals.averaging import members_only_class, robust_averager_class
+from hivetrain.hivemind_internals.downloads import BoundedStateAverager
 from hivetrain.hivemind_internals.records import HookedProgressTracker
 
 logger = logging.getLogger(__name__)
