@@ -120,6 +120,18 @@ def test_a_lone_holder_is_taken_unless_the_coordinators_state_is_newer(swarm):
     assert _holds(joiner, 2.0)
 
 
+def test_a_peer_just_started_does_not_stand_against_the_one_trained_holder(swarm):
+    """A peer declares its untrained state of epoch 0 until it has loaded one: beside a trained holder it is not
+    asked, and the trained holder's state, the one there is, is taken."""
+    averager, wait_for_holders = swarm
+    averager(1.0, epoch=12, priority=12)
+    averager(-3.0, epoch=0, priority=0)
+    joiner = averager(0.0, holder=False)
+    wait_for_holders(joiner, 2)
+    joiner.load_state_from_peers(timeout=10)
+    assert joiner.local_epoch == 12 and _holds(joiner, 1.0)
+
+
 @pytest.mark.parametrize("first, second, agree", [
     (({"epoch": 3}, [torch.ones(4)]), ({"epoch": 3}, [torch.ones(4) * (1 + STATE_AGREEMENT / 2)]), True),
     (({"epoch": 3}, [torch.ones(4)]), ({"epoch": 3}, [torch.ones(4) * (1 + 2 * STATE_AGREEMENT)]), False),

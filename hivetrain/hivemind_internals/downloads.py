@@ -147,7 +147,13 @@ class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, Ans
         """The state of the first of `holders` (in order) whose download a second holder's agrees with (their
         parameters, within STATE_AGREEMENT: states_agree), asking at most MAX_STATE_ASKS holders that send one; or,
         when just one holder sent one, its state unless `trusted`'s is newer; else `trusted`'s (the pinned
-        coordinator's, base58; its own state came from holders that agreed); else None, warning that none agreed."""
+        coordinator's, base58; its own state came from holders that agreed); else None, warning that none agreed.
+
+        Holders at epoch 0 are not asked beside one at a later epoch: a peer that has just started (it declares its
+        untrained state until it has loaded one) would otherwise stand against the one trained holder of a swarm of
+        one, and its second joiner took no state (tests/test_diloco.py)."""
+        if any(priorities[peer] > 0 for peer in holders):
+            holders = [peer for peer in holders if priorities[peer] > 0]
         trusted_peer = next((peer for peer in holders if peer.to_base58() == trusted), None)
         served: list[tuple[PeerID, tuple[Any, list[torch.Tensor]]]] = []
         compared = self._compared_tensors()
