@@ -10,8 +10,8 @@ import pytest
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from hivetrain.hivemind_internals import (MAX_STATE_ASKS, STATE_AGREEMENT, BoundedStateAverager, named_for_rpc_as,
-                                          states_agree)
+from hivetrain.hivemind_internals import (MAX_STATE_ASKS, STATE_AGREEMENT, BoundedStateAverager, asking_order,
+                                          named_for_rpc_as, states_agree)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 PREFIX = "vouched_state_averager"
@@ -64,9 +64,10 @@ def _holds(peer: BoundedStateAverager, fill: float) -> bool:
     return all(torch.allclose(p, torch.full_like(p, fill), rtol=2 * STATE_AGREEMENT) for p in peer.main_parameters)
 
 
-def test_a_poisoned_holder_first_in_line_is_passed_over_for_two_that_agree(swarm, takeover_rows):
-    """The poisoner declares the highest priority, at the swarm's epoch, in the model's shapes; two honest holders
-    serve the same state, one of them off by rounding (fp16 on the wire). The joiner takes theirs."""
+def test_a_poisoned_holder_is_passed_over_for_two_that_agree(swarm, takeover_rows):
+    """The poisoner declares the highest priority and serves a state of the swarm's epoch, in the model's shapes; two
+    honest holders serve the same state, one of them off by rounding (fp16 on the wire). The joiner takes theirs,
+    whether it asked the poisoner first or not."""
     averager, wait_for_holders = swarm
     averager(-5.0, epoch=12, priority=12)  # the poisoner
     averager(1.0, epoch=12, priority=11.5)
@@ -75,10 +76,9 @@ def test_a_poisoned_holder_first_in_line_is_passed_over_for_two_that_agree(swarm
     wait_for_holders(joiner, 3)
     joiner.load_state_from_peers(timeout=10)
     assert joiner.local_epoch == 12 and _holds(joiner, 1.0)
-    takeover_rows.add(3, "a holder declares the highest priority at the swarm's epoch and serves its own parameters"
+    takeover_rows.add(3, "a holder declares the highest priority and serves its own parameters at the swarm's epoch,"
                          " in the model's shapes; two honest holders serve the swarm's, off by rounding",
-                      f"a joiner asked the poisoner first and took the honest holders' state (epoch"
-                      f" {joiner.local_epoch}), which two agreed on")
+                      f"a joiner took the honest holders' state (epoch {joiner.local_epoch}), which two agreed on")
 
 
 def test_holders_that_disagree_give_no_state_but_the_pinned_coordinators(swarm):
@@ -148,12 +148,28 @@ def test_two_states_agree_on_their_epoch_and_parameters_within_rounding(first, s
 
 
 def test_a_download_asks_at_most_max_state_asks_holders_that_serve(swarm):
-    """Holders that all disagree: the joiner downloads from the first MAX_STATE_ASKS (each state is held in memory
-    until one is taken), takes none, and never asks the rest."""
+    """Holders that all disagree: the joiner downloads from MAX_STATE_ASKS of them (each state is held in memory until
+    one is taken), takes none, and never asks the rest."""
     averager, wait_for_holders = swarm
     holders = [averager(float(i), epoch=12, priority=12 - i) for i in range(MAX_STATE_ASKS + 1)]
     joiner = averager(0.5, holder=False)
     wait_for_holders(joiner, len(holders))
     joiner.load_state_from_peers(timeout=10)
     assert joiner.local_epoch == 0 and _holds(joiner, 0.5)
-    assert [holder.served for holder in holders] == [1] * MAX_STATE_ASKS + [0]
+    assert sorted(holder.served for holder in holders) == [0] + [1] * MAX_STATE_ASKS
+
+
+def test_a_priority_declared_beyond_the_others_does_not_put_its_holder_first():
+    """Two keys of one attacker declare more than the three honest holders: counted up to the median of those
+    declared, they are first in line about as often as their share (2 of 5), not always, and two of them ahead of
+    every honest holder no more than by chance. Holders at epoch 0 are left out beside later ones; older holders,
+    below the median, still come last."""
+    priorities = {"attacker-1": 20.0, "attacker-2": 20.0, "honest-1": 12.0, "honest-2": 12.0, "honest-3": 12.0,
+                  "stale": 9.0, "just-started": 0.0}
+    orders = [asking_order(priorities) for _ in range(400)]
+    assert all(order[-1] == "stale" and "just-started" not in order for order in orders)
+    first_attacker = sum(order[0].startswith("attacker") for order in orders) / len(orders)
+    both_first = sum({*order[:2]} == {"attacker-1", "attacker-2"} for order in orders) / len(orders)
+    assert 0.25 < first_attacker < 0.55  # 2 of 5 expected
+    assert both_first < 0.2  # 1 in 10 expected
+    assert asking_order({"a": 0.0, "b": 0.0}) and asking_order({}) == []  # all at epoch 0: all asked

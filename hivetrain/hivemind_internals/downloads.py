@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import random
+import statistics
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -55,6 +56,22 @@ def state_number(metadata: Any) -> Optional[tuple[int, bool]]:
     return (number, metadata.get("in_flight") is True) if isinstance(number, int) else None
 
 
+def asking_order(priorities: dict[Any, float]) -> list:
+    """The holders (the keys of `priorities`, their declared priorities: their epochs) in the order a download asks
+    them: the newest first, but a priority counts only up to the median of those declared, and the order is random
+    among equals. A priority is its holder's word: counted whole, an attacker declaring the highest one was asked
+    first, and two of its keys first in line vouched for each other whatever the swarm held.
+
+    Holders at epoch 0 are left out beside one at a later epoch: a peer that has just started (it declares its
+    untrained state until it has loaded one) stood against the one trained holder of a swarm of one, and its second
+    joiner took no state (tests/test_diloco.py)."""
+    holders = [holder for holder in priorities if priorities[holder] > 0] or list(priorities)
+    if not holders:
+        return []
+    median = statistics.median_low([priorities[holder] for holder in holders])
+    return sorted(holders, key=lambda holder: (min(priorities[holder], median), random.random()), reverse=True)
+
+
 def states_agree(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[torch.Tensor]],
                  compared: int) -> bool:
     """Whether two downloaded states (metadata, tensors) are one: the same epoch (state_number), and their first
@@ -78,8 +95,7 @@ def states_agree(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[
 class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer,
                        LastingStateOffer, GroupClosesWhenFull):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
-    process, and taken only once vouched for. Holders are asked from the highest declared priority down as in
-    hivemind, but one declaring a priority beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is
+    process, and taken only once vouched for. Holders are asked newest first (asking_order), as in hivemind, but one declaring a priority beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is
     beyond it, or sending more than STATE_BYTES_FACTOR times this averager's own tensors (plus STATE_BYTES_SLACK) is
     skipped, with a warning, and the next one is asked. hivemind took the first holder's state whole: one declaring the
     highest priority served joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any
@@ -121,39 +137,34 @@ class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, Ans
         try:
             found, _ = self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True) or (
                 {}, None)
-            holders = {PeerID(peer_id): (float(entry.value), random.random())  # at random among equals
+            holders = {PeerID(peer_id): float(entry.value)
                        for peer_id, entry in (found.items() if isinstance(found, dict) else ())
                        if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))}
-            asked = []
-            for peer in sorted(holders, key=holders.get, reverse=True):
+            asked = {}
+            for peer, priority in holders.items():
                 if peer == self.peer_id or (only is not None and peer.to_base58() != only):
                     continue
-                if bound is not None and holders[peer][0] > bound:
-                    _warn_download(peer, f"it declares a state of epoch {holders[peer][0]:g}, beyond {bound}")
+                if bound is not None and priority > bound:
+                    _warn_download(peer, f"it declares a state of epoch {priority:g}, beyond {bound}")
                     continue
-                asked.append(peer)
+                asked[peer] = priority
             download = functools.partial(self._download_state, timeout=timeout, bound=bound,
                                          limit=limit + STATE_BYTES_SLACK)
-            future.set_result(await self._vouched_state(asked, {peer: holders[peer][0] for peer in asked}, trusted,
-                                                        download))
+            future.set_result(await self._vouched_state(asked, trusted, download))
         except Exception as e:  # the DHT read failed: no state this time
             logger.warning(f"Could not look for the swarm's state: {type(e).__name__}: {e}")
         finally:
             if not future.done():
                 future.set_result(None)
 
-    async def _vouched_state(self, holders: list[PeerID], priorities: dict[PeerID, float], trusted: Optional[str],
+    async def _vouched_state(self, priorities: dict[PeerID, float], trusted: Optional[str],
                              download: Callable) -> Optional[tuple[Any, list[torch.Tensor]]]:
-        """The state of the first of `holders` (in order) whose download a second holder's agrees with (their
-        parameters, within STATE_AGREEMENT: states_agree), asking at most MAX_STATE_ASKS holders that send one; or,
-        when just one holder sent one, its state unless `trusted`'s is newer; else `trusted`'s (the pinned
-        coordinator's, base58; its own state came from holders that agreed); else None, warning that none agreed.
-
-        Holders at epoch 0 are not asked beside one at a later epoch: a peer that has just started (it declares its
-        untrained state until it has loaded one) would otherwise stand against the one trained holder of a swarm of
-        one, and its second joiner took no state (tests/test_diloco.py)."""
-        if any(priorities[peer] > 0 for peer in holders):
-            holders = [peer for peer in holders if priorities[peer] > 0]
+        """The state of the first holder (in asking_order; `priorities`: the holders and their declared priorities)
+        whose download a second holder's agrees with (their parameters, within STATE_AGREEMENT: states_agree),
+        asking at most MAX_STATE_ASKS holders that send one; or, when just one holder sent one, its state unless
+        `trusted`'s is newer; else `trusted`'s (the pinned coordinator's, base58; its own state came from holders that
+        agreed); else None, warning that none agreed."""
+        holders = asking_order(priorities)
         trusted_peer = next((peer for peer in holders if peer.to_base58() == trusted), None)
         served: list[tuple[PeerID, tuple[Any, list[torch.Tensor]]]] = []
         compared = self._compared_tensors()

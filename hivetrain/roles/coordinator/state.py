@@ -121,7 +121,7 @@ class StateHolder:
     def _offer(self, epoch: int) -> None:
         self.averager.local_epoch = epoch
         catch_up_schedule(self.averager)
-        self.averager.state_sharing_priority = epoch  # peers at newer epochs are asked first
+        self.averager.state_sharing_priority = epoch  # a peer takes it over a lone holder's older state
         self.averager.allow_state_sharing = True
 
     def load_from_peers(self) -> bool:
