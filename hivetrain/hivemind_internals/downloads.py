@@ -30,8 +30,8 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from hivetrain.hivemind_internals.allreduce import SenderClosedAveraging
 from hivetrain.hivemind_internals.averaging import (AnswersBeforeLeaving, GroupClosesWhenFull, JoinsStateServer,
-                                                    LastingStateOffer, MembersOnly, WaitsForItsGroup,
-                                                    warn_once_a_minute, named_for_rpc_as)
+                                                    KeepsItsSteps, LastingStateOffer, MembersOnly, WaitsForItsGroup,
+                                                    named_for_rpc_as, warn_once_a_minute)
 
 # A downloaded state may be this many times the averager's own tensors (parameters, and Adam's two statistics), plus
 # this many bytes; a holder sending more is skipped before its tensors are deserialised.
@@ -92,15 +92,17 @@ def states_agree(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[
     return True
 
 
-class BoundedDownloads(SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving, JoinsStateServer,
-                       LastingStateOffer, GroupClosesWhenFull):
+class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving,
+                       JoinsStateServer, LastingStateOffer, GroupClosesWhenFull):
     """A DecentralizedAverager whose state downloads are vetted before anything is deserialised, in the averager's
-    process, and taken only once vouched for. Holders are asked newest first (asking_order), as in hivemind, but one declaring a priority beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is
-    beyond it, or sending more than STATE_BYTES_FACTOR times this averager's own tensors (plus STATE_BYTES_SLACK) is
-    skipped, with a warning, and the next one is asked. hivemind took the first holder's state whole: one declaring the
-    highest priority served joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any
-    size it liked. And what a holder serves is its own word: a state is taken once a second holder's agrees with it
-    (_vouched_state), so one volunteer serving its own parameters at the swarm's epoch poisons nobody."""
+    process, and taken only once vouched for. Holders are asked newest first (asking_order), as in hivemind, but one
+    declaring a priority beyond `epoch_bound()`, serving a state whose epoch (diloco: round) is beyond it, or sending
+    more than STATE_BYTES_FACTOR times this averager's own tensors (plus STATE_BYTES_SLACK) is skipped, with a
+    warning, and the next one is asked. hivemind took the first holder's state whole: one declaring the highest
+    priority served joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any size it
+    liked. And what a holder serves is its own word: a state is taken once a second holder's agrees with it, or from
+    the pinned coordinator (_vouched_state), so a volunteer serving its own parameters at the swarm's epoch is taken
+    only where no other holder serves a state (docs/security.md)."""
 
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
