@@ -1,6 +1,7 @@
 """One swarm step over two peers equals one local AdamW step on the union of their batches."""
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -11,6 +12,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.mpfuture import MPFuture
 
 from hivetrain.config import get_preset
 from hivetrain.hivemind_internals import BoundedDownloads, BoundedStateAverager, RobustAveraging
@@ -248,6 +250,49 @@ def test_a_part_sent_before_its_group_is_triggered_here_waits_for_it():
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
                 assert torch.allclose(tensor, torch.full_like(tensor, 15.0)), tensor.unique()
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
+class CollectsGarbage(BoundedDownloads):
+    """A BoundedDownloads whose process can be told to run Python's garbage collector now (collect_garbage)."""
+
+    def collect_garbage(self) -> None:
+        future = MPFuture()
+        self._outer_pipe.send(("_collect_garbage", [], dict(future=future)))  # as hivemind sends its own commands
+        future.result(timeout=30)
+
+    async def _collect_garbage(self, future: MPFuture) -> None:
+        gc.collect()
+        future.set_result(None)
+
+
+def test_a_step_waiting_for_its_trigger_outlives_the_garbage_collector():
+    """hivemind's averager process keeps no reference to a command's task, and a step waiting for its trigger is
+    reachable only weakly (asyncio's tasks, hivemind's MPFutures): once the next command had run, a collection
+    destroyed it, and its round never ran (KeepsItsSteps). Here the collector runs after each peer's next command."""
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                  initial_peers=[str(a) for a in first.get_visible_maddrs()]))
+    averagers = [CollectsGarbage(averaged_tensors=[torch.full((100,), value)], dht=dht, prefix="collected", start=True,
+                                 min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=5.0)
+                 for dht, value in ((first, 1.0), (second, 3.0))]
+    try:
+        at = get_dht_time() + 1.5
+        controls = [a.step(scheduled_time=at, timeout=20.0, require_trigger=True, wait=False) for a in averagers]
+        _wait_for_stage(controls, AveragingStage.AWAITING_TRIGGER)
+        for averager in averagers:
+            averager.collect_garbage()  # a command after the step's: it took the step's task's place
+        for control in controls:
+            control.allow_allreduce()
+        for control in controls:
+            control.result(timeout=20)
+        for averager in averagers:
+            with averager.get_tensors() as (tensor,):
+                assert torch.allclose(tensor, torch.full_like(tensor, 2.0)), tensor.unique()
     finally:
         for averager in averagers:
             averager.shutdown()

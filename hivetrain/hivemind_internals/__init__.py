@@ -11,8 +11,8 @@ No module outside this package touches hivemind's private names (tests/test_hive
   runtime    tensor serialisation and command pipes (patched at import), hivemind's log handler, a direct dial
   records    progress records (a hooked tracker, a peer's own record) and signed records (formats, keys, signing)
   allreduce  the all-reduce's runner: answer streams closed by their sender, robust aggregation (part reducer)
-  averaging  RPC names, state servers, RPCs answered only for a private run's members, a shutdown that first
-             sends groupmates their parts, and rounds whose peers are gone
+  averaging  RPC names, steps held while they run, state servers, RPCs answered only for a private run's members,
+             a shutdown that first sends groupmates their parts, and rounds whose peers are gone
   downloads  state downloads vetted before they are deserialised, and taken once a second holder (or the pinned
              coordinator) vouches for them
   optimizer  hivemind.Optimizer's factories and scheduling (PatchedOptimizer), a state averager's schedule
@@ -49,7 +49,7 @@ from hivetrain.hivemind_internals.records import (HookedProgressTracker, SIGNATU
                                                   write_identity)  # noqa: E402
 from hivetrain.hivemind_internals.allreduce import (MIN_ROBUST_GROUP_SIZE, PartCopies, RobustAllReduceRunner,
                                                     RobustAveraging, RobustPartReducer)  # noqa: E402
-from hivetrain.hivemind_internals.averaging import (GroupClosesWhenFull, JoinsStateServer, MembersOnly,
+from hivetrain.hivemind_internals.averaging import (GroupClosesWhenFull, JoinsStateServer, KeepsItsSteps, MembersOnly,
                                                     STATE_SERVER_JOIN_TIMEOUT, LEFT_ALONE_CHECK_S, LOOKING_CHECK_S,
                                                     members_only_class, named_for_rpc_as, robust_averager_class,
                                                     wait_unless_left_alone)  # noqa: E402
@@ -63,7 +63,7 @@ __all__ = [
     "hivemind_log_handler", "is_averager_cut_short", "HookedProgressTracker", "SIGNATURE_RE", "SIGNED_SUBKEY_RE",
     "announce_and_count_peers", "identity_key", "progress_subkey", "rsa_key_from_der", "sign_records_with",
     "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
-    "GroupClosesWhenFull", "JoinsStateServer", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
+    "GroupClosesWhenFull", "JoinsStateServer", "KeepsItsSteps", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
     "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "MAX_STATE_ASKS", "STATE_AGREEMENT",
     "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "asking_order", "states_agree",
     "STATE_SERVER_JOIN_TIMEOUT",

@@ -1,6 +1,7 @@
 """Inside hivemind's averagers: our subclasses answering under hivemind's RPC names (robust aggregation mixed in from
-allreduce), a state server joined on shutdown, RPCs answered only for a private run's members, a shutdown that first
-sends groupmates their parts, and a round that ends once its peers are gone. State downloads: downloads."""
+allreduce), steps held while they run, a state server joined on shutdown, RPCs answered only for a private run's
+members, a shutdown that first sends groupmates their parts, and a round that ends once its peers are gone. State
+downloads: downloads."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ def named_for_rpc_as(averager_class: type) -> Callable[[type], type]:
         return subclass
 
     return rename
+
+
+class KeepsItsSteps(hivemind.averaging.averager.DecentralizedAverager):
+    """A DecentralizedAverager whose averaging steps are held by the averager while they run. hivemind's averager
+    process runs each command as an asyncio task and keeps no reference to it, and asyncio holds tasks weakly. A step
+    that waits for its trigger (a group looked for ahead) is reachable only through its MPFutures, which hivemind's
+    backend holds weakly too: Python's garbage collector destroyed it (GeneratorExit in `_step`, "pipe to origin
+    process was broken"), its trigger then went nowhere, and the round never ran. It struck once the next command's
+    task took the last reference's place (a step for the next round, looked for ahead), whenever the collector ran
+    before the trigger: 3 of 6 runs of test_averaging's late-trigger test under a running suite, each with the
+    GeneratorExit, and none in the runs without."""
+
+    async def _step(self, **kwargs):
+        held, task = self.__dict__.setdefault("_steps_held", set()), asyncio.current_task()
+        held.add(task)
+        try:
+            return await super()._step(**kwargs)
+        finally:
+            held.discard(task)
 
 
 class JoinsStateServer(hivemind.averaging.averager.DecentralizedAverager):
@@ -224,10 +244,10 @@ def _warn_refused(caller: PeerID) -> None:
 
 
 def _missing_mixins(averager_class: type) -> tuple[type, ...]:
-    """The mixins every averager of ours has (SenderClosedAveraging, MembersOnly, WaitsForItsGroup,
+    """The mixins every averager of ours has (KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsForItsGroup,
     AnswersBeforeLeaving, JoinsStateServer, GroupClosesWhenFull) that `averager_class` lacks."""
-    return tuple(mixin for mixin in (SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving,
-                                     JoinsStateServer, GroupClosesWhenFull)
+    return tuple(mixin for mixin in (KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsForItsGroup,
+                                     AnswersBeforeLeaving, JoinsStateServer, GroupClosesWhenFull)
                  if not issubclass(averager_class, mixin))
 
 
