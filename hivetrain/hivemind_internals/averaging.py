@@ -1,7 +1,7 @@
 """Inside hivemind's averagers: our subclasses answering under hivemind's RPC names (robust aggregation mixed in from
 allreduce), steps held while they run, a state server joined on shutdown, RPCs answered only for a private run's
 members, a shutdown that first sends groupmates their parts, and a round that ends once its peers are gone. State
-downloads: downloads."""
+downloads are in downloads.py."""
 
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ class MembersOnly(hivemind.averaging.averager.DecentralizedAverager):
 
 def _warn_refused(caller: PeerID) -> None:
     warn_once_a_minute((caller, "refused"), f"Refusing averaging requests from {caller}: no member record of this"
-                                             f" private run vouches for it")
+                                            f" private run vouches for it")
 
 
 def _missing_mixins(averager_class: type) -> tuple[type, ...]:

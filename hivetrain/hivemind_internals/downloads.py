@@ -190,7 +190,7 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
                 return state
         if len(served) > 1:
             warn_once_a_minute("states disagree", f"Taking no state: no two of the {len(served)} holders asked"
-                                                   f" served the same one, and no coordinator's state was at hand")
+                                                  f" served the same one, and no coordinator's state was at hand")
         return None
 
     def _compared_tensors(self) -> int:
