@@ -1,6 +1,7 @@
 """One swarm step over two peers equals one local AdamW step on the union of their batches."""
 
 import asyncio
+import contextlib
 import gc
 import threading
 import time
@@ -214,19 +215,31 @@ def _wait_for_stage(controls, stage, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def _two_averagers(averager_class: type, size: int, **kwargs):
+    """Two averagers of `averager_class` on two loopback DHTs joined to each other, averaging `size` values each of
+    1.0 and of 3.0 (`kwargs`: the averager's own, beside the tests' matchmaking and timeouts); shut down at the end."""
+    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    second = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                  initial_peers=[str(a) for a in first.get_visible_maddrs()]))
+    averagers = [averager_class(averaged_tensors=[torch.full((size,), value)], dht=dht, start=True,
+                                min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=5.0, **kwargs)
+                 for dht, value in ((first, 1.0), (second, 3.0))]
+    try:
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()
+
+
 def test_a_part_sent_before_its_group_is_triggered_here_waits_for_it():
     """An overlapped peer looks for its next round's group while the last round's all-reduce still runs, and the
     groupmates trigger a round each at its own moment. hivemind turned away a part sent for a group this peer had
     found but not triggered yet whenever an earlier group had registered since (WaitsForItsGroup): both halves of
     the all-reduce then waited out their timeout and each peer kept part of its own tensors."""
-    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    second = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(a) for a in first.get_visible_maddrs()]))
-    averagers = [BoundedDownloads(averaged_tensors=[torch.full((1000,), value)], dht=dht, prefix="late_trigger",
-                                  start=True, min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=5.0,
-                                  target_group_size=2)
-                 for dht, value in ((first, 1.0), (second, 3.0))]
-    try:
+    with _two_averagers(BoundedDownloads, 1000, prefix="late_trigger", target_group_size=2) as averagers:
         def schedule(ahead: float):
             at = get_dht_time() + ahead
             return [a.step(scheduled_time=at, timeout=20.0, require_trigger=True, wait=False) for a in averagers]
@@ -250,11 +263,6 @@ def test_a_part_sent_before_its_group_is_triggered_here_waits_for_it():
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
                 assert torch.allclose(tensor, torch.full_like(tensor, 15.0)), tensor.unique()
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        second.shutdown()
-        first.shutdown()
 
 
 class CollectsGarbage(BoundedDownloads):
@@ -274,13 +282,7 @@ def test_a_step_waiting_for_its_trigger_outlives_the_garbage_collector():
     """hivemind's averager process keeps no reference to a command's task, and a step waiting for its trigger is
     reachable only weakly (asyncio's tasks, hivemind's MPFutures): once the next command had run, a collection
     destroyed it, and its round never ran (KeepsItsSteps). Here the collector runs after each peer's next command."""
-    first = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-    second = start_dht(DHTOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(a) for a in first.get_visible_maddrs()]))
-    averagers = [CollectsGarbage(averaged_tensors=[torch.full((100,), value)], dht=dht, prefix="collected", start=True,
-                                 min_matchmaking_time=1.0, request_timeout=0.5, next_chunk_timeout=5.0)
-                 for dht, value in ((first, 1.0), (second, 3.0))]
-    try:
+    with _two_averagers(CollectsGarbage, 100, prefix="collected") as averagers:
         at = get_dht_time() + 1.5
         controls = [a.step(scheduled_time=at, timeout=20.0, require_trigger=True, wait=False) for a in averagers]
         _wait_for_stage(controls, AveragingStage.AWAITING_TRIGGER)
@@ -293,11 +295,6 @@ def test_a_step_waiting_for_its_trigger_outlives_the_garbage_collector():
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
                 assert torch.allclose(tensor, torch.full_like(tensor, 2.0)), tensor.unique()
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        second.shutdown()
-        first.shutdown()
 
 
 def test_a_peer_that_leaves_right_after_its_round_first_sends_a_client_groupmate_its_results():
