@@ -1,6 +1,6 @@
 """A state is taken once vouched for (issue 27, finding 3): a holder serves whatever parameters it likes at the swarm's
 epoch, in the model's shapes, so a download is taken only when a second holder serves the same state (within
-rounding), or from the run's pinned coordinator, or from the one holder there is."""
+rounding), or from the run's pinned coordinator, or from the one holder of the newest epoch there is."""
 
 import functools
 import time
@@ -130,6 +130,27 @@ def test_a_peer_just_started_does_not_stand_against_the_one_trained_holder(swarm
     wait_for_holders(joiner, 2)
     joiner.load_state_from_peers(timeout=10)
     assert joiner.local_epoch == 12 and _holds(joiner, 1.0)
+
+
+def test_a_holder_behind_the_swarm_does_not_stand_against_the_one_in_step(swarm):
+    """A peer that fell behind serves its old epoch until it has loaded a new one: the one holder of the newest epoch
+    is taken over it, and over the coordinator's older state. Two holders of the newest epoch that disagree are still
+    taken on neither's word."""
+    averager, wait_for_holders = swarm
+    coordinator = averager(2.0, epoch=3, priority=3)
+    averager(-3.0, epoch=5, priority=5)  # behind
+    averager(1.0, epoch=12, priority=12)
+    joiner = averager(0.0, holder=False)
+    joiner.trusted_holder = coordinator.peer_id.to_base58()
+    wait_for_holders(joiner, 3)
+    joiner.load_state_from_peers(timeout=10)
+    assert joiner.local_epoch == 12 and _holds(joiner, 1.0)
+    averager(-5.0, epoch=12, priority=12)  # a poisoner beside the one in step
+    late = averager(0.0, holder=False)
+    late.trusted_holder = coordinator.peer_id.to_base58()
+    wait_for_holders(late, 4)
+    late.load_state_from_peers(timeout=10)
+    assert late.local_epoch == 3 and _holds(late, 2.0)
 
 
 @pytest.mark.parametrize("first, second, agree", [

@@ -76,20 +76,27 @@ def states_agree(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[
                  compared: int) -> bool:
     """Whether two downloaded states (metadata, tensors) are one: the same epoch (state_number), and their first
     `compared` tensors each within STATE_AGREEMENT of each other (a non-finite value agrees with nothing)."""
+    return state_disagreement(first, second, compared) is None
+
+
+def state_disagreement(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[torch.Tensor]],
+                       compared: int) -> Optional[str]:
+    """Why two downloaded states are not one (states_agree), in words; None when they are."""
     (first_metadata, first_tensors), (second_metadata, second_tensors) = first, second
-    number = state_number(first_metadata)
-    if number is None or number != state_number(second_metadata):
-        return False
+    number, other = state_number(first_metadata), state_number(second_metadata)
+    if number is None or number != other:
+        return f"epochs (and rounds in flight) {number} and {other}"
     if min(len(first_tensors), len(second_tensors)) < compared:
-        return False
-    for a, b in zip(first_tensors[:compared], second_tensors[:compared]):
+        return f"{min(len(first_tensors), len(second_tensors))} tensors, not {compared}"
+    for index, (a, b) in enumerate(zip(first_tensors[:compared], second_tensors[:compared])):
         if a.shape != b.shape:
-            return False
+            return f"tensor {index} of shapes {tuple(a.shape)} and {tuple(b.shape)}"
         a, b = a.float(), b.float()
         scale = max(torch.linalg.vector_norm(a), torch.linalg.vector_norm(b))
-        if not torch.linalg.vector_norm(a - b) <= STATE_AGREEMENT * scale:  # NaN: False
-            return False
-    return True
+        difference = torch.linalg.vector_norm(a - b)
+        if not difference <= STATE_AGREEMENT * scale:  # NaN: False
+            return f"tensor {index} {float(difference / scale):.1e} of its norm apart"
+    return None
 
 
 class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsForItsGroup, AnswersBeforeLeaving,
@@ -163,9 +170,15 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
                              download: Callable) -> Optional[tuple[Any, list[torch.Tensor]]]:
         """The state of the first holder (in asking_order; `priorities`: the holders and their declared priorities)
         whose download a second holder's agrees with (their parameters, within STATE_AGREEMENT: states_agree),
-        asking at most MAX_STATE_ASKS holders that send one; or, when just one holder sent one, its state unless
+        asking at most MAX_STATE_ASKS holders that send one; or, when one holder's state is newer than every other
+        one sent (_lone_newest: a swarm's one holder in step, beside holders still behind it), that state unless
         `trusted`'s is newer; else `trusted`'s (the pinned coordinator's, base58; its own state came from holders that
-        agreed); else None, warning that none agreed."""
+        agreed); else None, warning that none agreed.
+
+        A state behind another is no word against it: a peer that fell behind serves its old epoch until it has loaded
+        a new one. Held against the swarm's one holder in step, it left a joiner of test_faults with no state to take
+        but the coordinator's, which trails the swarm by a validation, so the joiner was never in step and reloaded at
+        every step."""
         holders = asking_order(priorities)
         trusted_peer = next((peer for peer in holders if peer.to_base58() == trusted), None)
         served: list[tuple[PeerID, tuple[Any, list[torch.Tensor]]]] = []
@@ -178,12 +191,15 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
             state = await download(peer)
             if state is None:
                 continue
-            for _, earlier in served:
-                if states_agree(earlier, state, compared):
+            for earlier_peer, earlier in served:
+                disagreement = state_disagreement(earlier, state, compared)
+                if disagreement is None:
                     return earlier
+                logger.debug(f"The states of {earlier_peer} and {peer} differ: {disagreement}")
             served.append((peer, state))
-        if len(served) == 1 and (trusted_peer is None or priorities[served[0][0]] >= priorities[trusted_peer]):
-            return served[0][1]  # nobody else serves a state to hold it against
+        newest = _lone_newest(served)
+        if newest is not None and (trusted_peer is None or priorities[newest[0]] >= priorities[trusted_peer]):
+            return newest[1]  # nobody else serves a state of its epoch to hold it against
         if trusted_peer is not None:
             state = await download(trusted_peer)
             if state is not None:
@@ -232,7 +248,6 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
             logger.warning(f"Failed to download state from {peer}: {type(e).__name__}: {e}")
             return None
 
-
     def _fits(self, peer: PeerID, tensors: list[torch.Tensor]) -> bool:
         """Whether the state's tensors so far have the shapes of this averager's own, which lead every state (the
         parameters): hivemind copies them in unchecked, and a state of another shape failed each load for good."""
@@ -242,6 +257,19 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
                                  f" {tuple(self._averaged_tensors[index].shape)}")
             return False
         return True
+
+
+def _lone_newest(served: list[tuple[PeerID, tuple[Any, list[torch.Tensor]]]],
+                 ) -> Optional[tuple[PeerID, tuple[Any, list[torch.Tensor]]]]:
+    """The (holder, state) among `served` whose epoch (diloco: round) is beyond every other's; None when two or more
+    share the newest epoch. A state naming no epoch is never taken (state_number)."""
+    numbered = [(number[0], holder_state) for holder_state in served
+                if (number := state_number(holder_state[1][0])) is not None]
+    if not numbered:
+        return None
+    newest = max(epoch for epoch, _ in numbered)
+    at_newest = [holder_state for epoch, holder_state in numbered if epoch == newest]
+    return at_newest[0] if len(at_newest) == 1 else None
 
 
 def _warn_download(peer: PeerID, why: str) -> None:
