@@ -40,6 +40,7 @@ B_AHEAD = EPOCHS_AHEAD + 8
 # then ended seconds before or after a's, where they end together when b comes back exactly in step.
 REJOINED_CLOSER = 0.25
 TIMEOUT = 180  # for any one phase; a phase takes 10-60 s here
+LOG_TAIL = 12  # lines of each process's log that a phase's timeout prints
 
 
 @dataclass
@@ -115,9 +116,12 @@ def _wait(condition, what: str, processes: list[Process], timeout: float = TIMEO
         for process in processes:
             assert process.popen.poll() is None, f"{process.log} exited while waiting for {what}"
         if time.monotonic() >= deadline:
+            # the last lines of each, in the message: CI keeps what pytest prints, not the logs
+            tails = "".join(f"\n--- {p.log.name}:\n" + "\n".join(list(p.lines)[-LOG_TAIL:]) for p in processes)
             for process in processes:  # what each one was waiting for, in its log
                 process.dump_stacks()
-            raise AssertionError(f"no {what} within {timeout} s; logs (with stacks): {[str(p.log) for p in processes]}")
+            raise AssertionError(f"no {what} within {timeout} s; logs (with stacks):"
+                                 f" {[str(p.log) for p in processes]}{tails}")
         time.sleep(0.2)
     return result
 
