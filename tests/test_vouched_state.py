@@ -11,7 +11,7 @@ import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.hivemind_internals import (MAX_STATE_ASKS, STATE_AGREEMENT, BoundedStateAverager, asking_order,
-                                          named_for_rpc_as, states_agree)
+                                          named_for_rpc_as, state_disagreement)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 PREFIX = "vouched_state_averager"
@@ -165,7 +165,7 @@ def test_a_holder_behind_the_swarm_does_not_stand_against_the_one_in_step(swarm)
 ], ids=["rounding", "one-percent-apart", "another-epoch", "zeros", "one-in-flight", "nan", "no-epoch",
         "beyond-the-compared"])
 def test_two_states_agree_on_their_epoch_and_parameters_within_rounding(first, second, agree):
-    assert states_agree(first, second, compared=1) is agree
+    assert (state_disagreement(first, second, compared=1) is None) is agree
 
 
 def test_a_download_asks_at_most_max_state_asks_holders_that_serve(swarm):

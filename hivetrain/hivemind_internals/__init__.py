@@ -55,7 +55,7 @@ from hivetrain.hivemind_internals.averaging import (GroupClosesWhenFull, JoinsSt
                                                     wait_unless_left_alone)  # noqa: E402
 from hivetrain.hivemind_internals.downloads import (BoundedDownloads, BoundedStateAverager, MAX_STATE_ASKS,
                                                     STATE_AGREEMENT, STATE_BYTES_FACTOR, STATE_BYTES_SLACK,
-                                                    asking_order, states_agree)  # noqa: E402
+                                                    asking_order, state_disagreement)  # noqa: E402
 from hivetrain.hivemind_internals.optimizer import PatchedOptimizer, catch_up_schedule  # noqa: E402
 
 __all__ = [
@@ -65,7 +65,7 @@ __all__ = [
     "signature_checker", "write_identity", "BoundedDownloads", "BoundedStateAverager",
     "GroupClosesWhenFull", "JoinsStateServer", "KeepsItsSteps", "MIN_ROBUST_GROUP_SIZE", "MembersOnly", "PartCopies",
     "RobustAllReduceRunner", "RobustAveraging", "RobustPartReducer", "MAX_STATE_ASKS", "STATE_AGREEMENT",
-    "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "asking_order", "states_agree",
+    "STATE_BYTES_FACTOR", "STATE_BYTES_SLACK", "asking_order", "state_disagreement",
     "STATE_SERVER_JOIN_TIMEOUT",
     "members_only_class", "named_for_rpc_as", "robust_averager_class", "LEFT_ALONE_CHECK_S", "LOOKING_CHECK_S",
     "wait_unless_left_alone",

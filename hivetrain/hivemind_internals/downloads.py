@@ -72,16 +72,11 @@ def asking_order(priorities: dict[Any, float]) -> list:
     return sorted(holders, key=lambda holder: (min(priorities[holder], median), random.random()), reverse=True)
 
 
-def states_agree(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[torch.Tensor]],
-                 compared: int) -> bool:
-    """Whether two downloaded states (metadata, tensors) are one: the same epoch (state_number), and their first
-    `compared` tensors each within STATE_AGREEMENT of each other (a non-finite value agrees with nothing)."""
-    return state_disagreement(first, second, compared) is None
-
-
 def state_disagreement(first: tuple[Any, list[torch.Tensor]], second: tuple[Any, list[torch.Tensor]],
                        compared: int) -> Optional[str]:
-    """Why two downloaded states are not one (states_agree), in words; None when they are."""
+    """Why two downloaded states (metadata, tensors) are not one, in words; None when they are: the same epoch
+    (state_number), and their first `compared` tensors each within STATE_AGREEMENT of each other (a non-finite value
+    agrees with nothing)."""
     (first_metadata, first_tensors), (second_metadata, second_tensors) = first, second
     number, other = state_number(first_metadata), state_number(second_metadata)
     if number is None or number != other:
@@ -109,7 +104,7 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
     priority served joiners its epoch of 10^12 (its LR schedule stepped that many times hung the peer), and any size it
     liked. And what a holder serves is its own word: a state is taken once a second holder's agrees with it, or from
     the pinned coordinator (_vouched_state), so a volunteer serving its own parameters at the swarm's epoch is taken
-    only where no other holder serves a state (docs/security.md)."""
+    only where no other holder asked serves a state of that epoch or a later one (docs/security.md)."""
 
     # The highest epoch a downloaded state may carry (hivetrain.clock.ClockWatcher.bound); None: any.
     epoch_bound: Callable[[], Optional[int]] = staticmethod(lambda: None)
@@ -169,7 +164,7 @@ class BoundedDownloads(KeepsItsSteps, SenderClosedAveraging, MembersOnly, WaitsF
     async def _vouched_state(self, priorities: dict[PeerID, float], trusted: Optional[str],
                              download: Callable) -> Optional[tuple[Any, list[torch.Tensor]]]:
         """The state of the first holder (in asking_order; `priorities`: the holders and their declared priorities)
-        whose download a second holder's agrees with (their parameters, within STATE_AGREEMENT: states_agree),
+        whose download a second holder's agrees with (their parameters, within STATE_AGREEMENT: state_disagreement),
         asking at most MAX_STATE_ASKS holders that send one; or, when one holder's state is newer than every other
         one sent (_lone_newest: a swarm's one holder in step, beside holders still behind it), that state unless
         `trusted`'s is newer; else `trusted`'s (the pinned coordinator's, base58; its own state came from holders that
