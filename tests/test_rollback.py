@@ -176,10 +176,13 @@ def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_p
                         f" {rollback.group(5)}%): the coordinator saw top-1 fall to {rollback.group(3)}% | now at"
                         f" swarm epoch {restored} | params {digest}"), (name, line)
         assert restored >= served, (name, line)
-        if restored == served:  # the coordinator's state itself
-            assert digest == parameter_digest(best.build_model()), (name, line)
+        best_digest = parameter_digest(best.build_model())
+        if restored == served or (restored == served + 1 and digest == best_digest):
+            # the coordinator's state itself; one epoch on when hivemind's load caught this peer up with the swarm's
+            # epoch, one ahead (sync: the other peer had stepped), as in a CI run
+            assert digest == best_digest, (name, line)
         else:  # a peer that took the rollback before it trained a round on alone (the attacker, in sync mode) and
-            # this one downloaded that newer state: what that peer said it held at that epoch
+            # the coordinator's holder took that newer state before serving this one: what that peer said it held
             other = next(p for n, p in peers.items() if n != name)
             other.wait_for(rf"^(swarm epoch {restored} \||Rolled back .* now at swarm epoch {restored}) .*"
                            rf"\| params {digest}$", timeout=10)
