@@ -42,9 +42,12 @@ dist: $(VENV)/.installed
 	rm -rf build
 	@ls dist/hivetrain-*.whl
 
+# Two workers: the suite's work is mostly processes of its own (roles, swarms), on two cores. A file stays on one
+# worker, in file order (tests/conftest.py says which tests go together and why); TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-dev
 	bash scripts/install-system-test-deps.sh
-	$(PY) -m pytest -v --durations=25
+	$(PY) -m pytest -v --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+from packaging.version import Version
 from hivemind.utils.crypto import RSAPrivateKey
 from s3server import SeaweedS3
 
@@ -28,6 +29,27 @@ TAKEOVER_FINDINGS = ("run-record hijack", "epoch inflation", "poisoned state", "
                      "private runs leak", "one key, unlimited peers", "dial-back flood", "model settings")
 # Tests never reach the Hugging Face hub; every process they start inherits this.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). A file's tests stay together on one
+# worker, where its module-scoped swarm serves them all; the tests marked `netns` share one worker, since the
+# namespaces' host-side subnets are fixed by index (benchmarks.netns) and two of them built at once would clash.
+# test_bench's smokes each start their own swarms in a subprocess: they go to whichever worker is free.
+SPREAD_FILES = {"test_bench.py"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") == "loadgroup" and Version(pytest.__version__) >= Version("9.2"):
+        # pytest-xdist#1386: its workers' group names no longer reach the scheduler, which spreads the groups
+        raise pytest.UsageError("pytest 9.2 loses pytest-xdist's test groups (pytest-xdist#1386), and two workers would"
+                                " build the same network namespaces at once: pip install 'pytest<9.2' (pyproject.toml)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker names each grouped test "<test>@<group>"
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("netns") is not None:
+            item.add_marker(pytest.mark.xdist_group("netns"))
+        elif item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @functools.cache

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from benchmarks import bench, harness, report
 
@@ -78,6 +80,7 @@ def test_convergence_suite_smoke():
     assert "its peers' weights at round" in section
 
 
+@pytest.mark.netns  # its two linked namespaces (conftest.py)
 def test_links_suite_smoke():
     result, section = smoke("links")
     [row] = result["results"]
@@ -145,6 +148,7 @@ def test_monitor_suite_smoke():
     assert section.startswith("## monitor") and "| 16 |" in section
 
 
+@pytest.mark.netns  # its two NATs (conftest.py)
 def test_relay_suite_smoke():
     result, section = smoke("relay")
     [row] = result["results"]

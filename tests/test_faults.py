@@ -29,6 +29,8 @@ from benchmarks.report import measured_by
 from s3server import free_ports
 from test_hostile_records import SHAPES, attack, hostile_stores, start_attacker
 
+pytestmark = pytest.mark.netns  # peer b's namespace, of a fixed subnet (conftest.py)
+
 EPOCH_LINE = re.compile(r"^swarm epoch (\d+) \| (\d+) peer\(s\)")
 POISONED_STEPS = 3
 CUT_SECONDS = 20  # at least: until a no longer counts b

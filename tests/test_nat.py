@@ -21,6 +21,8 @@ from hivetrain.roles.coordinator.relay import IDLE_LOOK_EVERY, GradientRelay, ne
 from hivetrain.swarm_optimizer import optimizer_recipe
 from benchmarks.netns import NattedNamespace
 
+pytestmark = pytest.mark.netns  # NAT namespaces of fixed subnets (conftest.py)
+
 
 @pytest.fixture
 def nat():

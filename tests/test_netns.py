@@ -12,6 +12,8 @@ from benchmarks.netns import VethNamespace, remove_orphans
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.netns  # it lists and builds the host's namespaces (conftest.py)
+
 
 def _namespaces() -> list[str]:
     return [line.split(" ", 1)[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
