@@ -177,12 +177,13 @@ def test_the_swarm_rolls_back_to_the_best_state_when_top1_collapses(spawn, tmp_p
                         f" swarm epoch {restored} | params {digest}"), (name, line)
         assert restored >= served, (name, line)
         best_digest = parameter_digest(best.build_model())
-        if restored == served or (restored == served + 1 and digest == best_digest):
-            # the coordinator's state itself; one epoch on when hivemind's load caught this peer up with the swarm's
-            # epoch, one ahead (sync: the other peer had stepped), as in a CI run
+        if restored == served:  # the coordinator's state itself
             assert digest == best_digest, (name, line)
-        else:  # a peer that took the rollback before it trained a round on alone (the attacker, in sync mode) and
-            # the coordinator's holder took that newer state before serving this one: what that peer said it held
+        elif restored != served + 1 or digest != best_digest:
+            # Not the best state one epoch on (hivemind's load catching this peer up with the swarm's epoch, one
+            # ahead where the other sync peer had stepped, as in a CI run). A peer that took the rollback before it
+            # trained a round on alone (the attacker, in sync mode), and the coordinator's holder took that newer
+            # state before serving this one: what that peer said it held.
             other = next(p for n, p in peers.items() if n != name)
             other.wait_for(rf"^(swarm epoch {restored} \||Rolled back .* now at swarm epoch {restored}) .*"
                            rf"\| params {digest}$", timeout=10)
