@@ -14,8 +14,9 @@ from s3server import SeaweedS3
 # Roles start here as in the demo and the benchmarks; the tests import ROOT from here.
 from benchmarks.harness import ROOT, Process  # noqa: F401
 
-# A diloco peer's line on each outer round: "N: averaged ...", "N: alone", "N could not be averaged ..."
-ROUND_LINE = re.compile(r"Outer round (\d+):? (.+)$")
+# A diloco peer's line on each outer round: "N: averaged ...", "N: alone", "N could not be averaged ...", and on one
+# it missed: "Missed outer round N: loading the swarm's state" (hivetrain.diloco)
+ROUND_LINE = re.compile(r"(?:Outer|Missed outer) round (\d+):? (.+)$")
 
 BUCKET = "hivetrain-test"  # S3 bucket names need 3 to 63 characters
 # The reliability page the fault tests and the takeover attacks write: a temporary one, or the committed one where

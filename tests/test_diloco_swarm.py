@@ -20,9 +20,6 @@ DIES_AT = 3  # the outer round in which peer d dies
 # plain averaging, has none)
 DILOCO = ("--preset", "demo", "--mode", "diloco", "--overlap-rounds", "--inner-steps", "8", "--outer-lr", "0.7",
           "--outer-momentum", "0.9")
-# A peer's line on each outer round (conftest.ROUND_LINE), or on a round it missed and loaded the swarm's state for
-# (hivetrain.diloco: "Missed outer round N: loading the swarm's state")
-ROUND_OR_LOAD_LINE = re.compile(r"(?:Outer|Missed outer) round (\d+):? (.+)$")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +89,7 @@ def test_peers_train_in_rounds_and_hold_the_same_outer_parameters(diloco_run):
     # at. A peer that missed the last round took its own step; it would rejoin at the next one, but the run ends. So
     # would one whose last event was a load of the swarm's state: a round in flight, whose start it holds and whose
     # average it takes at the next round (one that lagged a round under a CI run's load left so, one round behind).
-    last_rounds = {name: [m.groups() for line in peers[name].lines if (m := ROUND_OR_LOAD_LINE.search(line))][-1]
+    last_rounds = {name: [m.groups() for line in peers[name].lines if (m := ROUND_LINE.search(line))][-1]
                    for name in ("a", "b", "c")}
     final = max(reached.values())
     together = [name for name, (_, outcome) in last_rounds.items()
