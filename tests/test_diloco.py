@@ -698,9 +698,11 @@ def test_rounds_counted_in_samples_look_for_their_group_ahead(dhts):
 def test_fast_peers_take_about_h_inner_steps_each_per_round_counted_in_samples(dhts):
     """Two peers whose H inner steps take 0.2 s, less than the half second at which a peer reads the others' progress
     records at best. A round falls due once this peer's samples and the others' records, carried forward at the
-    rates they state (RoundTracker.others_samples), reach the round's target: about H steps each. Counted from the
-    records as read, each peer trained the round's whole target by itself, 2H steps (the demo's diloco peers:
-    2-2.4H, and the convergence suite's rounds held twice their samples)."""
+    rates they state (RoundTracker.others_samples), reach the round's target: about 2H steps between the two. Counted
+    from the records as read, each peer trained the round's whole target by itself, 2H steps each (the demo's diloco
+    peers: 2-2.4H, and the convergence suite's rounds held twice their samples). The target is the swarm's, not each
+    peer's, so one peer may take more of those steps and the other fewer (a CI run on a loaded machine: 91 and 65 in
+    6 rounds): the bound is on their sum."""
     inner_steps, last_round, step_time = 10, 6, 0.02
     models = [torch.nn.Linear(6, 3) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -719,8 +721,8 @@ def test_fast_peers_take_about_h_inner_steps_each_per_round_counted_in_samples(d
         assert [peer.round for peer in rounds] == [last_round] * 2
         assert all(peer.rounds_averaged >= last_round - 1 for peer in rounds), [
             (p.rounds_averaged, p.rounds_alone, p.rounds_failed, p.rounds_missed) for p in rounds]
-        # H each on average, give or take a read's lag: well under the 2H of the records as read
-        assert all(count_ / last_round <= 1.5 * inner_steps for count_ in steps), (steps, last_round)
+        # H each on average, give or take a read's lag: well under the 2H each of the records as read
+        assert sum(steps) / last_round <= 1.5 * inner_steps * len(steps), (steps, last_round)
     finally:
         for peer in rounds:
             peer.shutdown()
