@@ -11,7 +11,11 @@ the all-reduce, with no weight and no tensors of its own, the run's robust aggre
   the peers do not count as a groupmate (OuterState).
 - sync (GradientRelay): an auxiliary averager answering as the peers' hivemind GradientAverager, on its prefix,
   started the first time every trainer is found behind NAT (a process of its own, with a copy of the gradients: a run
-  with a trainer that can be dialled never needs it).
+  with a trainer that can be dialled never needs it). Then the epoch's state averaging (hivemind.Optimizer's, every
+  average_state_every epochs), through the state holder's averager, auxiliary too: without it each peer searched the
+  whole averaging timeout for a state group every epoch (10 of every 11 s in the demo preset), and peers whose
+  parameters went apart (a gradient round that missed one) stayed apart for good, with no state to load either
+  (nobody can download from a peer in client mode).
 
 Its search for the group starts when the round comes due by the records, as the peers' own do, and lasts the run's
 matchmaking time: the peers that notice the round within it average together. Rounds paced in seconds fall due on
@@ -206,10 +210,19 @@ class RelayedGradients(DecentralizedAverager):
         self.wait_until_ready(timeout)
 
 
+def relay_averager_class(averager_class: type, aggregation: Optional[RobustAggregation]) -> tuple[type, dict]:
+    """The class and arguments of an auxiliary averager of the coordinator that leads the peers' groups: robust when
+    the run is, with a group large enough without a copy of its own; members-only otherwise, as every averager."""
+    if aggregation is not None:  # it leads the group and brings no copy: the copies must still be enough
+        return robust_averager_class(averager_class), dict(aggregation=aggregation,
+                                                           min_group_size=MIN_ROBUST_GROUP_SIZE + 1)
+    return members_only_class(averager_class), {}
+
+
 class GradientRelay(Relay):
     """Leads the gradient all-reduce of a sync swarm whose trainers are all in client mode: one round per swarm
     epoch, once the trainers' samples for their newest epoch reach the run's target batch (hivemind.Optimizer's own
-    rule for the epoch's end). Built by `for_run`.
+    rule for the epoch's end), then the epoch's state averaging round when there is one. Built by `for_run`.
 
     Args:
         make_averager: makes an auxiliary averager on the peers' gradient prefix, not started (for_run's); called
@@ -220,8 +233,12 @@ class GradientRelay(Relay):
         averaging_timeout: seconds to look for the round's group before the round is left to the peers alone.
         gradient_bytes: the gradients' size on the wire (the run's gradient compression).
         epoch_bound: the highest epoch a record may name (hivetrain.clock).
-        events: where each relayed round is told (`relayed`, its `round` the swarm epoch).
+        events: where each relayed round is told (`relayed`, its `round` the swarm epoch; `relayed_state`, the
+            epoch's state averaging).
         report: the coordinator's console, told when relaying starts and stops.
+        state_round: leads one state averaging round on the peers' state averager prefix, auxiliary, within the
+            seconds it is given; returns the trainers that took part (StateHolder's). None: no state rounds.
+        average_state_every: the run's swarm epochs between two state averaging rounds.
     """
 
     what = "gradient rounds"
@@ -229,27 +246,25 @@ class GradientRelay(Relay):
     def __init__(self, make_averager: Callable[[], RelayedGradients], dht: DHT, progress_key: str,
                  target_batch_size: int, averaging_timeout: float, gradient_bytes: int,
                  epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
-                 report: Callable[[str], None] = print_flushed):
+                 report: Callable[[str], None] = print_flushed,
+                 state_round: Optional[Callable[[float], int]] = None, average_state_every: int = 1):
         super().__init__(dht, progress_key, averaging_timeout, epoch_bound, events, report)
         self.make_averager = make_averager
         self.target_batch_size, self.gradient_bytes = target_batch_size, gradient_bytes
+        self.state_round, self.average_state_every = state_round, average_state_every
         self._last_epoch: Optional[int] = None  # the last epoch relayed (or tried)
 
     @classmethod
     def for_run(cls, dht: DHT, config: RunConfig, param_groups: list[dict],
                 epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
-                report: Callable[[str], None] = print_flushed) -> GradientRelay:
+                report: Callable[[str], None] = print_flushed,
+                state_round: Optional[Callable[[float], int]] = None) -> GradientRelay:
         """The relay of a sync run, its averager on the prefix and with the matchmaking of the peers' gradient
         averagers (hivemind.Optimizer's, as hivetrain.swarm_optimizer builds it), over tensors of their gradients'
         shapes and order (every parameter of the optimizer's param groups), robust when the run is."""
         swarm = config.swarm
         gradients = [torch.zeros_like(param, device="cpu") for group in param_groups for param in group["params"]]
-        aggregation = RobustAggregation.for_swarm(swarm)
-        if aggregation is not None:  # it leads the group and brings no copy: the copies must still be enough
-            averager_class, robust = robust_averager_class(RelayedGradients), dict(
-                aggregation=aggregation, min_group_size=MIN_ROBUST_GROUP_SIZE + 1)
-        else:
-            averager_class, robust = members_only_class(RelayedGradients), {}
+        averager_class, robust = relay_averager_class(RelayedGradients, RobustAggregation.for_swarm(swarm))
         compression = COMPRESSION[swarm.grad_compression]()
         matchmaking = round_matchmaking(swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout,
                                         swarm.target_group_size)
@@ -258,7 +273,8 @@ class GradientRelay(Relay):
                                   auxiliary=True, compression=compression, start=False, **matchmaking, **robust)
 
         return cls(make_averager, dht, f"{config.run_id}_progress", swarm.target_batch_size, swarm.averaging_timeout,
-                   wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report)
+                   wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report,
+                   state_round, swarm.average_state_every)
 
     def _prepare(self) -> None:
         if self.averager is None:
@@ -287,6 +303,13 @@ class GradientRelay(Relay):
         trainers = 0 if gathered is None else sum(peer != self.averager.peer_id for peer in gathered)
         self.events("relayed", round=epoch, trainers=trainers, seconds=time.perf_counter() - started,
                     cpu_seconds=self._averager_cpu_seconds() - cpu_before, bytes=2 * trainers * self.gradient_bytes)
+        # hivemind.Optimizer averages the state as it enters an epoch that average_state_every divides, right after
+        # the epoch's optimizer step: this search starts as the peers' do, and ends no later than theirs (hivemind's
+        # leader turns away a follower whose search ends first)
+        if self.state_round is not None and (epoch + 1) % self.average_state_every == 0:
+            started = time.perf_counter()
+            trainers = self.state_round(self.averaging_timeout)
+            self.events("relayed_state", round=epoch, trainers=trainers, seconds=time.perf_counter() - started)
 
     def stop(self) -> None:
         super().stop()

@@ -3,10 +3,10 @@ hivemind peer: StateHolder for sync runs, OuterStateHolder for diloco runs (oute
 
 It never trains: it downloads the newest state from the volunteers when asked, and serves what it holds to joiners.
 In a run whose trainers nobody can dial, it also leads their averaging rounds (diloco's outer rounds, sync's
-gradient all-reduce) without a part of its own (hivetrain.roles.coordinator.relay). So the state survives when every
-volunteer has left, and `--resume` starts a run from a checkpoint by serving it. It offers its state only once it
-holds a real one (downloaded or resumed): a first volunteer must not download the coordinator's untrained weights in
-place of its pretrained ones.
+gradient all-reduce and state averaging) without a part of its own (hivetrain.roles.coordinator.relay). So the state
+survives when every volunteer has left, and `--resume` starts a run from a checkpoint by serving it. It offers its
+state only once it holds a real one (downloaded or resumed): a first volunteer must not download the coordinator's
+untrained weights in place of its pretrained ones.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import hivemind
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
@@ -30,8 +31,8 @@ from hivetrain.outer_state import OuterState, outer_state_prefix, round_matchmak
 from hivetrain.robust import RobustAggregation
 from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm_options import COMPRESSION
-from hivetrain.swarm import RECORD_LIFETIME, keeping_sigint, withdraw_records
-from hivetrain.roles.coordinator.relay import GradientRelay, RoundRelay, print_flushed
+from hivetrain.swarm import keeping_sigint, withdraw_records
+from hivetrain.roles.coordinator.relay import GradientRelay, RoundRelay, print_flushed, relay_averager_class
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,22 @@ class CountingStateAverager(BoundedStateAverager):
         self.states_served += 1
         return super().get_current_state()
 
+    def lead_round(self, timeout: float) -> int:
+        """One state averaging round of the peers, as hivemind's plain averager runs it (TrainingStateAverager.step
+        is a trainer's: its optimizer step, its epoch, its tensors); auxiliary, this averager reduces parts and its
+        own state stays as it is. Returns the trainers that took part: none when no group formed in `timeout`."""
+        try:
+            gathered = DecentralizedAverager.step(self, timeout=timeout)
+        except Exception as e:  # no peer came, a groupmate that vanished mid-round
+            logger.info(f"Relaying a state averaging round found no group: {type(e).__name__}: {e}")
+            return 0
+        return 0 if gathered is None else sum(peer != self.peer_id for peer in gathered)
+
 
 class StateHolder:
-    """A sync run's state: parameters, optimizer statistics and epoch, in hivemind's state averager (it never averages
-    with the peers). It relays the peers' gradient rounds while nobody else can lead them (GradientRelay)."""
+    """A sync run's state: parameters, optimizer statistics and epoch, in hivemind's state averager, auxiliary (it
+    never averages its own state with the peers'). It relays the peers' gradient and state averaging rounds while
+    nobody else can lead them (GradientRelay)."""
 
     def __init__(self, dht: hivemind.DHT, config: RunConfig, resume: Optional[Checkpoint] = None,
                  device: torch.device = torch.device("cpu"), load_timeout: float = 60.0,
@@ -75,8 +88,12 @@ class StateHolder:
         # The same parameter groups, optimizer and schedule as every peer (hivetrain.module), so the state's tensors
         # line up one to one with theirs.
         param_groups, make_inner, make_scheduler = optimizer_recipe(*make_optimizer(self.model, config.optim))
+        swarm = config.swarm
+        # Auxiliary, with the peers' state matchmaking (hivetrain.swarm_optimizer's), robust when the run is: in a
+        # round it relays, it reduces parts and brings none
+        averager_class, robust = relay_averager_class(CountingStateAverager, RobustAggregation.for_swarm(swarm))
         with keeping_sigint():
-            self.averager = CountingStateAverager(
+            self.averager = averager_class(
                 dht=dht,
                 prefix=f"{config.run_id}_state_averager",  # the key hivemind.Optimizer's state averager uses
                 optimizer=make_inner,
@@ -84,16 +101,19 @@ class StateHolder:
                 scheduler=make_scheduler,
                 offload_optimizer=True,
                 custom_gradients=True,
-                state_compression=COMPRESSION[config.swarm.state_compression](),
-                next_chunk_timeout=config.swarm.next_chunk_timeout,
+                state_compression=COMPRESSION[swarm.state_compression](),
+                compression=COMPRESSION[swarm.state_compression](),
+                auxiliary=True,
                 allow_state_sharing=False,
-                declare_state_period=RECORD_LIFETIME,
                 start=True,
+                **round_matchmaking(swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout,
+                                    swarm.target_group_size),
+                **robust,
             )
         if resume is not None:
             self._restore(resume)
         self.relay = GradientRelay.for_run(dht, config, param_groups, lambda: self.averager.epoch_bound(),
-                                           events=events, report=report).start()
+                                           events=events, report=report, state_round=self.averager.lead_round).start()
 
     @property
     def epoch(self) -> int:
