@@ -37,6 +37,7 @@ from hivetrain.swarm import DHT_READ_TIMEOUT, RECORD_LIFETIME, withdraw_records
 
 logger = logging.getLogger(__name__)
 
+MIN_REFRESH_PERIOD = 0.5  # seconds between two reads of the progress records at least (hivemind's tracker default)
 GROUPMATES_WAIT = 5.0  # seconds a leaving peer waits at most for the groupmates of its last round to finish it
 
 
@@ -73,8 +74,14 @@ class DiLoCoRounds:
             **round_matchmaking(matchmaking_time, averaging_timeout, next_chunk_timeout, target_group_size),
         )
         # Vetted: entries anyone wrote under the progress key are untrusted, and must not raise the round's target.
+        # Read at least every half matchmaking time. hivemind plans each next read from the rates at the last one,
+        # near zero before the first steps: up to 10 s on, past the first round, which each peer then saw due by its
+        # own samples and records it could carry forward only so far (RECORD_CARRY). On a loaded machine three peers
+        # saw it due up to 0.4 s apart, with no group looked for ahead (no rates yet), and one was left out of it;
+        # reading this often, they saw it due within 0.03 s of each other (12 runs).
         self.tracker = vetted(RoundTracker)(dht, run_id, samples_per_peer=inner_steps * batch_size,
                                             round_seconds=round_seconds, metadata_expiration=RECORD_LIFETIME,
+                                            max_refresh_period=max(MIN_REFRESH_PERIOD, matchmaking_time / 2),
                                             private_key=private_key, start=True)
         self.outer.give_up = self._give_up
         self.samples = 0  # trained since the last round (overlapped: since the round in flight began)
