@@ -210,12 +210,17 @@ class RelayedGradients(DecentralizedAverager):
         self.wait_until_ready(timeout)
 
 
+def relay_group_size(aggregation: Optional[RobustAggregation]) -> dict:
+    """The averager arguments of a coordinator's auxiliary averager that leads the peers' groups in a robust run: it
+    brings no copy of its own, and the copies must still be enough. No argument otherwise."""
+    return {} if aggregation is None else dict(min_group_size=MIN_ROBUST_GROUP_SIZE + 1)
+
+
 def relay_averager_class(averager_class: type, aggregation: Optional[RobustAggregation]) -> tuple[type, dict]:
     """The class and arguments of an auxiliary averager of the coordinator that leads the peers' groups: robust when
-    the run is, with a group large enough without a copy of its own; members-only otherwise, as every averager."""
-    if aggregation is not None:  # it leads the group and brings no copy: the copies must still be enough
-        return robust_averager_class(averager_class), dict(aggregation=aggregation,
-                                                           min_group_size=MIN_ROBUST_GROUP_SIZE + 1)
+    the run is (relay_group_size); members-only otherwise, as every averager."""
+    if aggregation is not None:
+        return robust_averager_class(averager_class), dict(aggregation=aggregation, **relay_group_size(aggregation))
     return members_only_class(averager_class), {}
 
 
@@ -236,8 +241,8 @@ class GradientRelay(Relay):
         events: where each relayed round is told (`relayed`, its `round` the swarm epoch; `relayed_state`, the
             epoch's state averaging).
         report: the coordinator's console, told when relaying starts and stops.
-        state_round: leads one state averaging round on the peers' state averager prefix, auxiliary, within the
-            seconds it is given; returns the trainers that took part (StateHolder's). None: no state rounds.
+        state_averager: the state holder's averager, auxiliary, on the peers' state averager prefix: it leads the
+            epoch's state averaging round. None: no state rounds.
         average_state_every: the run's swarm epochs between two state averaging rounds.
     """
 
@@ -247,18 +252,18 @@ class GradientRelay(Relay):
                  target_batch_size: int, averaging_timeout: float, gradient_bytes: int,
                  epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
                  report: Callable[[str], None] = print_flushed,
-                 state_round: Optional[Callable[[float], int]] = None, average_state_every: int = 1):
+                 state_averager: Optional[DecentralizedAverager] = None, average_state_every: int = 1):
         super().__init__(dht, progress_key, averaging_timeout, epoch_bound, events, report)
         self.make_averager = make_averager
         self.target_batch_size, self.gradient_bytes = target_batch_size, gradient_bytes
-        self.state_round, self.average_state_every = state_round, average_state_every
+        self.state_averager, self.average_state_every = state_averager, average_state_every
         self._last_epoch: Optional[int] = None  # the last epoch relayed (or tried)
 
     @classmethod
     def for_run(cls, dht: DHT, config: RunConfig, param_groups: list[dict],
                 epoch_bound: Callable[[], Optional[int]] = lambda: None, events: EventLog = EventLog(None),
                 report: Callable[[str], None] = print_flushed,
-                state_round: Optional[Callable[[float], int]] = None) -> GradientRelay:
+                state_averager: Optional[DecentralizedAverager] = None) -> GradientRelay:
         """The relay of a sync run, its averager on the prefix and with the matchmaking of the peers' gradient
         averagers (hivemind.Optimizer's, as hivetrain.swarm_optimizer builds it), over tensors of their gradients'
         shapes and order (every parameter of the optimizer's param groups), robust when the run is."""
@@ -274,7 +279,7 @@ class GradientRelay(Relay):
 
         return cls(make_averager, dht, f"{config.run_id}_progress", swarm.target_batch_size, swarm.averaging_timeout,
                    wire_bytes(sum(g.numel() for g in gradients), compression), epoch_bound, events, report,
-                   state_round, swarm.average_state_every)
+                   state_averager, swarm.average_state_every)
 
     def _prepare(self) -> None:
         if self.averager is None:
@@ -295,21 +300,27 @@ class GradientRelay(Relay):
     def _relay(self, epoch: int) -> None:
         self._last_epoch = epoch
         started, cpu_before = time.perf_counter(), self._averager_cpu_seconds()
-        try:
-            gathered = self.averager.step(timeout=self.averaging_timeout)
-        except Exception as e:  # no peer came, a groupmate that vanished mid-round
-            logger.info(f"Relaying the gradients of swarm epoch {epoch} found no group: {type(e).__name__}: {e}")
-            gathered = None
-        trainers = 0 if gathered is None else sum(peer != self.averager.peer_id for peer in gathered)
+        trainers = self._lead(self.averager, f"the gradients of swarm epoch {epoch}")
         self.events("relayed", round=epoch, trainers=trainers, seconds=time.perf_counter() - started,
                     cpu_seconds=self._averager_cpu_seconds() - cpu_before, bytes=2 * trainers * self.gradient_bytes)
         # hivemind.Optimizer averages the state as it enters an epoch that average_state_every divides, right after
         # the epoch's optimizer step: this search starts as the peers' do, and ends no later than theirs (hivemind's
         # leader turns away a follower whose search ends first)
-        if self.state_round is not None and (epoch + 1) % self.average_state_every == 0:
+        if self.state_averager is not None and (epoch + 1) % self.average_state_every == 0:
             started = time.perf_counter()
-            trainers = self.state_round(self.averaging_timeout)
+            trainers = self._lead(self.state_averager, f"the state averaging of swarm epoch {epoch}")
             self.events("relayed_state", round=epoch, trainers=trainers, seconds=time.perf_counter() - started)
+
+    def _lead(self, averager: DecentralizedAverager, what: str) -> int:
+        """One round led by `averager`, auxiliary, as hivemind's plain averager runs it (a TrainingStateAverager's own
+        step is a trainer's: its optimizer step, its epoch, its tensors). Returns the trainers that took part: none
+        when no group formed within the averaging timeout."""
+        try:
+            gathered = DecentralizedAverager.step(averager, timeout=self.averaging_timeout)
+        except Exception as e:  # no peer came, a groupmate that vanished mid-round
+            logger.info(f"Relaying {what} found no group: {type(e).__name__}: {e}")
+            return 0
+        return 0 if gathered is None else sum(peer != averager.peer_id for peer in gathered)
 
     def stop(self) -> None:
         super().stop()

@@ -17,13 +17,11 @@ from typing import Callable, Optional
 
 import hivemind
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from hivetrain.checkpoint import Checkpoint
 from hivetrain.config import RunConfig
-from hivetrain.hivemind_internals import (MIN_ROBUST_GROUP_SIZE, BoundedStateAverager, catch_up_schedule,
-                                          named_for_rpc_as)
+from hivetrain.hivemind_internals import BoundedStateAverager, catch_up_schedule, named_for_rpc_as
 from hivetrain.events import EventLog
 from hivetrain.model import create_model
 from hivetrain.optimizer import make_optimizer
@@ -32,7 +30,8 @@ from hivetrain.robust import RobustAggregation
 from hivetrain.swarm_optimizer import copy_into_offloaded, optimizer_recipe
 from hivetrain.swarm_options import COMPRESSION
 from hivetrain.swarm import keeping_sigint, withdraw_records
-from hivetrain.roles.coordinator.relay import GradientRelay, RoundRelay, print_flushed, relay_averager_class
+from hivetrain.roles.coordinator.relay import (GradientRelay, RoundRelay, print_flushed, relay_averager_class,
+                                              relay_group_size)
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +58,6 @@ class CountingStateAverager(BoundedStateAverager):
         # hivemind asks the host process for the state once per download it answers (rpc_download_state)
         self.states_served += 1
         return super().get_current_state()
-
-    def lead_round(self, timeout: float) -> int:
-        """One state averaging round of the peers, as hivemind's plain averager runs it (TrainingStateAverager.step
-        is a trainer's: its optimizer step, its epoch, its tensors); auxiliary, this averager reduces parts and its
-        own state stays as it is. Returns the trainers that took part: none when no group formed in `timeout`."""
-        try:
-            gathered = DecentralizedAverager.step(self, timeout=timeout)
-        except Exception as e:  # no peer came, a groupmate that vanished mid-round
-            logger.info(f"Relaying a state averaging round found no group: {type(e).__name__}: {e}")
-            return 0
-        return 0 if gathered is None else sum(peer != self.peer_id for peer in gathered)
 
 
 class StateHolder:
@@ -113,7 +101,7 @@ class StateHolder:
         if resume is not None:
             self._restore(resume)
         self.relay = GradientRelay.for_run(dht, config, param_groups, lambda: self.averager.epoch_bound(),
-                                           events=events, report=report, state_round=self.averager.lead_round).start()
+                                           events=events, report=report, state_averager=self.averager).start()
 
     @property
     def epoch(self) -> int:
@@ -186,10 +174,9 @@ class OuterStateHolder:
             self.model.load_state_dict(resume.weights)
         swarm = config.swarm
         # Auxiliary: in a round it relays, it reduces parts and brings none (the peers' compression and aggregation)
-        aggregation, matchmaking = RobustAggregation.for_swarm(swarm), round_matchmaking(
-            swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout, swarm.target_group_size)
-        if aggregation is not None:  # it leads the group and brings no copy: the copies must still be enough
-            matchmaking["min_group_size"] = MIN_ROBUST_GROUP_SIZE + 1
+        aggregation = RobustAggregation.for_swarm(swarm)
+        matchmaking = dict(round_matchmaking(swarm.matchmaking_time, swarm.averaging_timeout, swarm.next_chunk_timeout,
+                                             swarm.target_group_size), **relay_group_size(aggregation))
         self.outer = OuterState(
             list(self.model.parameters()), dht, outer_state_prefix(config.run_id), swarm.outer_lr, swarm.outer_momentum,
             compression=COMPRESSION[swarm.grad_compression](), state_compression=COMPRESSION[swarm.state_compression](),
